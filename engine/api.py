@@ -1,0 +1,299 @@
+"""FusionEngine: question + documents in, answer out, through cached document KV. No tensor math here."""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from .config import EngineConfig, resolve_device, resolve_dtype
+from .fusion import make_strategy
+from .fusion.base import Strategy
+from .fusion.reuse import Reuse
+from .models import build_decoder
+from .prompt import PromptBuilder, PromptLayout
+from .runner import PrefillOutput, Runner, Segment
+from .sampler import Sampler
+from .store import DocKV, DocStore, Namespace, content_key, fingerprint_tensors
+from .types import Document, GenerationResult, GenerationStream, PrecomputeReport, as_documents
+
+__all__ = ["FusionEngine", "DEFAULT_MODEL"]
+
+DEFAULT_MODEL = "qwen2.5-coder-0.5b"
+_END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "</s>", "<|end|>")
+
+
+class FusionEngine:
+    """The fusion engine over one loaded model.
+
+    Args:
+        hf_model: a transformers causal LM of a supported family (llama, mistral, qwen2, qwen3), already on
+            its device and dtype.
+        tokenizer: its tokenizer (with a chat template for chat models).
+        config: EngineConfig.
+        model_name: a display name.
+        model_fingerprint / tokenizer_fingerprint: cache namespace parts; computed from the weights and the
+            vocabulary when not given.
+    """
+
+    def __init__(self, hf_model, tokenizer, config: EngineConfig | None = None, *, model_name: str | None = None,
+                 model_fingerprint: str | None = None, tokenizer_fingerprint: str | None = None) -> None:
+        self.config = config or EngineConfig()
+        self.decoder = build_decoder(hf_model)
+        self.hf_model = hf_model
+        self.tokenizer = tokenizer
+        self.model_name = model_name or getattr(hf_model.config, "_name_or_path", "") or self.decoder.spec.family
+        self.device = self.decoder.device
+        self.dtype = self.decoder.dtype
+        self.runner = Runner(self.decoder)
+        self.prompts = PromptBuilder(tokenizer, self.config.prompt)
+        self.namespace = Namespace(
+            model=model_fingerprint or fingerprint_tensors(hf_model.state_dict().items()),
+            tokenizer=tokenizer_fingerprint or _tokenizer_fingerprint(tokenizer),
+            dtype=str(self.dtype))
+        self.store = DocStore(self.config.memory_budget_bytes, self.config.disk_cache_dir,
+                              self.config.disk_budget_bytes, device=self.device)
+        self.eos_ids = _eos_ids(hf_model, tokenizer)
+        sliding = getattr(hf_model.config, "sliding_window", None) if getattr(
+            hf_model.config, "use_sliding_window", True) else None
+        self.context_window = min(self.decoder.spec.max_positions, sliding or 1 << 62)
+        self._lock = threading.RLock()
+        self._prefix_key = content_key(self.namespace, [], self.prompts.prefix_ids)
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str = DEFAULT_MODEL, *, device: str | None = None,
+                        dtype: str | torch.dtype | None = None, cache_dir: str | None = None,
+                        disk_cache: bool = True, **config: Any) -> FusionEngine:
+        """Loads a model by registry name ("qwen2.5-coder-0.5b", "smollm2-135m", ...), GGUF path or HF folder.
+
+        Args:
+            device: "cpu", "cuda", or None for the best available.
+            dtype: "bf16" (default), "fp16", "fp32".
+            cache_dir: where converted weights and (with `disk_cache`) document caches live.
+            disk_cache: keep document caches on disk under cache_dir/kv (shared across processes).
+            **config: EngineConfig fields (memory_budget_bytes, prompt, ...).
+        """
+        from .weights import default_cache_dir, load_model
+
+        dev, dt = resolve_device(device), resolve_dtype(dtype)
+        model, tok, info = load_model(name_or_path, dtype=dt, device=dev, cache_dir=cache_dir)
+        if disk_cache and "disk_cache_dir" not in config:
+            config["disk_cache_dir"] = (cache_dir and __import__("pathlib").Path(cache_dir) or
+                                        default_cache_dir()) / "kv"
+        return cls(model, tok, EngineConfig(**config), model_name=info.name, model_fingerprint=info.fingerprint,
+                   tokenizer_fingerprint=info.tokenizer_fingerprint)
+
+    # -- public API ------------------------------------------------------------------------------------
+    def precompute(self, docs: Iterable[Any]) -> PrecomputeReport:
+        """Computes and stores the caches of documents not stored yet."""
+        docs = as_documents(docs)
+        with self._lock:
+            t0 = time.perf_counter()
+            before = self.store.snapshot()
+            _, tokens = self._doc_kvs(docs)
+            after = self.store.snapshot()
+        return PrecomputeReport(hits=after.hits - before.hits, misses=after.misses - before.misses,
+                                tokens=tokens, seconds=time.perf_counter() - t0)
+
+    def generate(self, question: str, docs: Iterable[Any] = (), *, strategy: str | Strategy = "cacheblend",
+                 recompute_ratio: float = 0.15, max_new_tokens: int = 64, temperature: float = 0.0,
+                 top_p: float = 1.0, seed: int | None = None, stop: list[str] | None = None,
+                 **strategy_options: Any) -> GenerationResult:
+        """Answers `question` over `docs` ((id, text) pairs). See GenerationResult for what comes back."""
+        s = self.stream(question, docs, strategy=strategy, recompute_ratio=recompute_ratio,
+                        max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop,
+                        **strategy_options)
+        for _ in s:
+            pass
+        return s.result
+
+    def stream(self, question: str, docs: Iterable[Any] = (), *, strategy: str | Strategy = "cacheblend",
+               recompute_ratio: float = 0.15, max_new_tokens: int = 64, temperature: float = 0.0,
+               top_p: float = 1.0, seed: int | None = None, stop: list[str] | None = None,
+               **strategy_options: Any) -> GenerationStream:
+        """Like `generate`, yielding text deltas; the GenerationResult is `.result` once exhausted.
+
+        Arguments are validated here, before the first delta is asked for.
+        """
+        strat = make_strategy(strategy, **strategy_options)
+        if not 0.0 <= float(recompute_ratio) <= 1.0:
+            raise ValueError(f"recompute_ratio must be in [0, 1], got {recompute_ratio}")
+        if max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+        sampler = Sampler(temperature, top_p, seed)
+        docs = as_documents(docs)
+        if not isinstance(question, str) or not question.strip():
+            raise ValueError("the question is empty")
+        return GenerationStream(self._generate(question, docs, strat, float(recompute_ratio), max_new_tokens,
+                                               sampler, list(stop or [])))
+
+    def next_token_logprobs(self, question: str, docs: Iterable[Any], target_ids, *,
+                            strategy: str | Strategy = "full", recompute_ratio: float = 0.15) -> torch.Tensor:
+        """Teacher-forced log-probabilities: row t is log p(. | prompt, target[:t]).
+
+        Returns:
+            [T, vocab] float32 on the CPU.
+        """
+        strat = make_strategy(strategy)
+        target = torch.as_tensor(list(target_ids), dtype=torch.long)
+        if target.numel() == 0:
+            raise ValueError("target_ids is empty")
+        with self._lock:
+            layout, segs, _ = self._prepare(question, as_documents(docs), strat)
+            self._check_length(layout.n + target.numel())
+            out = self.runner.prefill(layout.ids, segs, strat, recompute_ratio, extra_capacity=int(target.numel()))
+            rows = [out.logits[None]]
+            if target.numel() > 1:
+                rows.append(self.runner.extend(out.state, target[:-1]))
+            return torch.log_softmax(torch.cat(rows).float(), dim=-1).cpu()
+
+    def cache_stats(self) -> dict[str, int]:
+        """Store counters: hits, misses, stale, disk_hits, corrupt, evictions, memory_bytes, memory_entries."""
+        return dict(vars(self.store.snapshot()))
+
+    def layout(self, question: str, docs: Iterable[Any]) -> PromptLayout:
+        """The token layout a request would use (no computation)."""
+        docs = as_documents(docs)
+        return self.prompts.build(question, [self.prompts.encode_document(d) for d in docs])
+
+    def close(self) -> None:
+        self.store.close()
+
+    # -- internals -------------------------------------------------------------------------------------
+    def _check_length(self, n: int) -> None:
+        if n > self.context_window:
+            raise ValueError(f"prompt + answer is {n} tokens, over the model's context window of "
+                             f"{self.context_window}")
+
+    def _prefix_kv(self) -> DocKV:
+        kv = self.store.memory.get(self._prefix_key)
+        if kv is None:
+            ids = torch.tensor(self.prompts.prefix_ids, dtype=torch.long)
+            p = int(ids.numel())
+            kv = self.runner.prefill(ids, [Segment(0, p, None)], Reuse(), 0.0, capture=(0, p),
+                                     want_logits=False).captured
+            self.store.memory.put(self._prefix_key, kv)
+        return kv
+
+    def _compute_doc(self, ids: list[int]) -> DocKV:
+        """Prefills one document alone after the prefix; returns its pre-RoPE K/V at local positions."""
+        prefix = self.prompts.prefix_ids
+        p, n = len(prefix), len(prefix) + len(ids)
+        full = torch.tensor(prefix + ids, dtype=torch.long)
+        segs = [Segment(0, p, self._prefix_kv(), selectable=False), Segment(p, n, None)]
+        return self.runner.prefill(full, segs, Reuse(), 0.0, capture=(p, n), want_logits=False).captured
+
+    def _doc_kvs(self, docs: list[Document]) -> tuple[list[tuple[list[int], DocKV]], int]:
+        out, tokens = [], 0
+        for d in docs:
+            ids = self.prompts.encode_document(d)
+            key = content_key(self.namespace, self.prompts.prefix_ids, ids)
+            kv = self.store.lookup(d.id, key)
+            if kv is None:
+                kv = self._compute_doc(ids)
+                self.store.put(d.id, key, kv)
+                tokens += len(ids)
+            out.append((ids, kv))
+        return out, tokens
+
+    def _prepare(self, question: str, docs: list[Document], strat: Strategy):
+        """Tokenizes, looks up (computing misses) and returns (layout, segments, seconds spent on misses)."""
+        t0 = time.perf_counter()
+        if strat.uses_cache:
+            pairs, miss_tokens = self._doc_kvs(docs)
+            layout = self.prompts.build(question, [ids for ids, _ in pairs])
+            segs = [Segment(layout.prefix.start, layout.prefix.end, self._prefix_kv(), selectable=False)]
+            segs += [Segment(sp.start, sp.end, kv) for sp, (_, kv) in zip(layout.docs, pairs)]
+        else:
+            miss_tokens = 0
+            layout = self.prompts.build(question, [self.prompts.encode_document(d) for d in docs])
+            segs = [Segment(layout.prefix.start, layout.prefix.end, None, selectable=False)]
+            segs += [Segment(sp.start, sp.end, None) for sp in layout.docs]
+        segs.append(Segment(layout.tail.start, layout.tail.end, None, selectable=False))
+        miss_s = time.perf_counter() - t0 if miss_tokens else 0.0
+        return layout, segs, miss_s
+
+    def _generate(self, question: str, docs: list[Document], strat: Strategy, ratio: float, max_new: int,
+                  sampler: Sampler, stop: list[str]) -> Iterator[str]:
+        with self._lock:
+            t_start = time.perf_counter()
+            before = self.store.snapshot()
+            layout, segs, miss_s = self._prepare(question, docs, strat)
+            self._check_length(layout.n + max_new)
+            t_prefill = time.perf_counter()
+            out: PrefillOutput = self.runner.prefill(layout.ids, segs, strat, ratio, extra_capacity=max_new)
+            token = sampler(out.logits)
+            t_first = time.perf_counter()
+            after = self.store.snapshot()
+            tokens, text, emitted, finish = [], "", 0, "length"
+            while True:
+                if token in self.eos_ids:
+                    finish = "stop"
+                    break
+                tokens.append(token)
+                text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+                cut = _first_stop(text, stop)
+                if cut is not None:
+                    text, finish = text[:cut], "stop"
+                    break
+                safe = len(text) - _held_back(text, stop)
+                if safe > emitted:
+                    yield text[emitted:safe]
+                    emitted = safe
+                if len(tokens) >= max_new:
+                    break
+                token = sampler(self.runner.extend(out.state, torch.tensor([token]))[0])
+            if len(text) > emitted:
+                yield text[emitted:]
+            t_end = time.perf_counter()
+        return GenerationResult(
+            text=text, token_ids=tokens, strategy=strat.name,
+            recompute_ratio=1.0 if not strat.uses_cache else (0.0 if strat.ignores_ratio else ratio),
+            finish_reason=finish, ttft_s=t_first - t_start, prefill_s=t_first - t_prefill,
+            decode_s=t_end - t_first, selection_s=out.selection_s + out.probe_s, miss_prefill_s=miss_s,
+            prompt_tokens=layout.n, doc_tokens=layout.doc_tokens, question_tokens=len(layout.tail),
+            recomputed_tokens=int(out.recomputed.numel()) if strat.uses_cache else layout.doc_tokens,
+            cache_hits=after.hits - before.hits, cache_misses=after.misses - before.misses,
+            stale=after.stale - before.stale)
+
+
+def _first_stop(text: str, stop: list[str]) -> int | None:
+    hits = [text.find(s) for s in stop if s and s in text]
+    return min(hits) if hits else None
+
+
+def _held_back(text: str, stop: list[str]) -> int:
+    """Characters to hold back: an incomplete UTF-8 sequence, or a suffix that may start a stop string."""
+    hold = 1 if text.endswith("\ufffd") else 0
+    for s in stop:
+        for k in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:k]):
+                hold = max(hold, k)
+                break
+    return hold
+
+
+def _eos_ids(hf_model, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    gen = getattr(hf_model, "generation_config", None)
+    for src in (getattr(gen, "eos_token_id", None), tokenizer.eos_token_id):
+        if isinstance(src, int):
+            ids.add(src)
+        elif src:
+            ids.update(int(x) for x in src)
+    vocab = tokenizer.get_vocab()
+    ids.update(vocab[t] for t in _END_OF_TURN if t in vocab)
+    return ids
+
+
+def _tokenizer_fingerprint(tokenizer) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    vocab = tokenizer.get_vocab()
+    for tok in sorted(vocab):
+        h.update(f"{tok}\x00{vocab[tok]}\x01".encode("utf-8", "surrogatepass"))
+    h.update((getattr(tokenizer, "chat_template", None) or "").encode())
+    return h.hexdigest()[:32]

@@ -1,0 +1,132 @@
+"""The strategy contract and registry.
+
+A strategy chooses which cached document tokens are recomputed. It is pure: it reads a `SelectContext`
+(tensors the runner computed) and returns sorted token positions. It never touches the store or the runner.
+
+Two moments exist:
+- `initial(ctx)`: before layer 0, the document tokens to compute from the first layer on. Query-aware
+  strategies ask for a question probe first (`probe_layers`): the runner then runs the question alone over the
+  re-positioned cache and hands them its attention at those layers.
+- `refine(ctx)`: after projecting layer `ctx.layer` (one of `check_layers`), the subset of the active
+  document tokens to keep recomputing from that layer on (CacheBlend's deviation check).
+The runner always adds the tokens that must be computed (the question, anything without a cache).
+"""
+from __future__ import annotations
+
+from abc import ABC
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+__all__ = ["SelectContext", "Strategy", "register", "make_strategy", "available", "budget_for", "topk_positions"]
+
+
+@dataclass
+class SelectContext:
+    """What a strategy may look at.
+
+    Attributes:
+        n_layers: decoder layers.
+        ratio: the recompute ratio asked for (fraction of cached document tokens).
+        candidates: [C] int64 sorted positions of cached document tokens (the only ones a strategy picks).
+        doc_spans: [(start, end)] of each document in the prompt, prompt order.
+        question: [Q] int64 positions of the question rows (always recomputed).
+        layer: the check layer being refined (None in `initial`).
+        active: [A] int64 sorted document positions currently recomputed (set in `refine`).
+        fresh_k / cached_k: [A, kv_heads, head_dim] pre-RoPE keys of `active` computed now vs from cache.
+        fresh_v / cached_v: the same for values.
+        question_attention: {layer: [Q, N] float32} softmax probabilities of the question rows over all keys,
+            averaged over heads (from the probe pass; only for `probe_layers`).
+    """
+
+    n_layers: int
+    ratio: float
+    candidates: Tensor
+    doc_spans: list[tuple[int, int]]
+    question: Tensor
+    layer: int | None = None
+    active: Tensor | None = None
+    fresh_k: Tensor | None = None
+    cached_k: Tensor | None = None
+    fresh_v: Tensor | None = None
+    cached_v: Tensor | None = None
+    question_attention: dict[int, Tensor] = field(default_factory=dict)
+
+    @property
+    def budget(self) -> int:
+        """Document tokens to recompute: round(ratio * candidates)."""
+        return budget_for(self.ratio, int(self.candidates.numel()))
+
+
+def budget_for(ratio: float, n: int) -> int:
+    return max(0, min(n, int(round(ratio * n))))
+
+
+def topk_positions(scores: Tensor, positions: Tensor, k: int) -> Tensor:
+    """The k positions with the highest scores, sorted by position (ties broken by lower position)."""
+    if k >= positions.numel():
+        return positions.clone()
+    if k <= 0:
+        return positions[:0]
+    idx = torch.topk(scores.float(), k, sorted=False).indices
+    return torch.sort(positions[idx]).values
+
+
+class Strategy(ABC):
+    """Base class; subclasses set `name` and override what they need.
+
+    Attributes:
+        uses_cache: False only for `full`, which ignores every cache.
+        ignores_ratio: True for strategies whose selection does not depend on the ratio (`reuse`).
+    """
+
+    name: ClassVar[str] = ""
+    uses_cache: ClassVar[bool] = True
+    ignores_ratio: ClassVar[bool] = False
+
+    def probe_layers(self, n_layers: int) -> tuple[int, ...]:
+        """Layers at which the question probe records attention (empty: no probe)."""
+        return ()
+
+    def check_layers(self, n_layers: int) -> tuple[int, ...]:
+        """Layers after whose projection `refine` runs."""
+        return ()
+
+    def initial(self, ctx: SelectContext) -> Tensor:
+        """Document positions computed from layer 0 (default: none)."""
+        return ctx.candidates[:0]
+
+    def refine(self, ctx: SelectContext) -> Tensor:
+        """Subset of `ctx.active` to keep at `ctx.layer` (default: keep all)."""
+        return ctx.active
+
+    def describe(self) -> str:
+        return self.name
+
+
+_REGISTRY: dict[str, type[Strategy]] = {}
+
+
+def register(cls: type[Strategy]) -> type[Strategy]:
+    """Class decorator adding a strategy to the registry under `cls.name`."""
+    if not cls.name:
+        raise ValueError(f"{cls.__name__} has no name")
+    if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
+        raise ValueError(f"strategy {cls.name!r} registered twice")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def available() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def make_strategy(name: str | Strategy, **options) -> Strategy:
+    """A strategy instance by name (options go to its constructor), or the instance given."""
+    if isinstance(name, Strategy):
+        return name
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown strategy {name!r}; available: {', '.join(available())}")
+    return _REGISTRY[name](**options)

@@ -1,0 +1,44 @@
+"""`cacheblend` (CacheBlend, arXiv 2405.16444): recompute the tokens whose keys deviate most from the cache.
+
+Every token is computed through the first check layer; there the fresh pre-RoPE keys are compared with the
+cached ones (L2 norm over heads and dims) and only the top r% of document tokens stay recomputed. With
+`gradual=True` (the paper's gradual filtering) the set narrows over several check layers: at layer 1 the
+top `first_ratio` share is kept, then each later check layer keeps a smaller share, ending at r.
+"""
+from __future__ import annotations
+
+from .base import SelectContext, Strategy, budget_for, register, topk_positions
+
+
+@register
+class CacheBlend(Strategy):
+    name = "cacheblend"
+
+    def __init__(self, check_layer: int = 1, gradual: bool = False, n_checks: int = 3,
+                 first_ratio_factor: float = 2.0) -> None:
+        self.check_layer = check_layer
+        self.gradual = gradual
+        self.n_checks = n_checks
+        self.first_ratio_factor = first_ratio_factor
+
+    def check_layers(self, n_layers: int) -> tuple[int, ...]:
+        n = self.n_checks if self.gradual else 1
+        return tuple(range(self.check_layer, min(n_layers, self.check_layer + n)))
+
+    def initial(self, ctx: SelectContext):
+        return ctx.candidates
+
+    def _ratio_at(self, ctx: SelectContext) -> float:
+        layers = self.check_layers(ctx.n_layers)
+        if len(layers) == 1:
+            return ctx.ratio
+        step = layers.index(ctx.layer)
+        first = min(1.0, ctx.ratio * self.first_ratio_factor)
+        return first + (ctx.ratio - first) * step / (len(layers) - 1)
+
+    def refine(self, ctx: SelectContext):
+        from ...kernels import kv_deviation
+
+        k = budget_for(self._ratio_at(ctx), int(ctx.candidates.numel()))
+        dev = kv_deviation(ctx.fresh_k, ctx.cached_k)
+        return topk_positions(dev, ctx.active, k)

@@ -1,0 +1,8 @@
+"""`reuse` (TurboRAG-style, no fine-tune): cached documents are used as they are; only the question runs."""
+from .base import Strategy, register
+
+
+@register
+class Reuse(Strategy):
+    name = "reuse"
+    ignores_ratio = True

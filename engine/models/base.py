@@ -1,0 +1,168 @@
+"""The decoder every supported family shares, with a per-layer seam.
+
+Weights are taken (not copied) from a loaded Hugging Face model; the forward loop is our own so the runner
+decides what happens between projecting q/k/v and finishing a layer. Batch size is always 1 and every
+activation is token-major: hidden states `[T, hidden]`, heads `[T, heads, head_dim]`.
+
+Each op mirrors the Hugging Face implementation's order of operations (RMSNorm in fp32, then cast; RoPE in
+the activation dtype), so `full` reproduces transformers' logits to rounding.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["ArchSpec", "Decoder", "rms_norm"]
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm exactly as transformers computes it (fp32 statistics, weight applied in the input dtype)."""
+    dtype = x.dtype
+    xf = x.to(torch.float32)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """Shape facts of a decoder, read once from the model config.
+
+    Attributes:
+        n_layers: decoder layers.
+        hidden: residual width.
+        n_heads / n_kv_heads: query / key-value heads (GQA when they differ).
+        head_dim: per-head width.
+        rms_eps: RMSNorm epsilon.
+        vocab: output vocabulary size.
+        max_positions: the model's context window in tokens.
+        family: config.model_type.
+    """
+
+    n_layers: int
+    hidden: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    rms_eps: float
+    vocab: int
+    max_positions: int
+    family: str
+
+    @property
+    def scale(self) -> float:
+        return self.head_dim ** -0.5
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K+V per token over all layers, for 2-byte dtypes times 2 (fp32 callers multiply)."""
+        return 2 * self.n_layers * self.n_kv_heads * self.head_dim
+
+
+class _Layer:
+    """References to one decoder layer's weights (no copies)."""
+
+    def __init__(self, hf_layer, with_qk_norm: bool) -> None:
+        a, m = hf_layer.self_attn, hf_layer.mlp
+        self.ln1 = hf_layer.input_layernorm.weight
+        self.ln2 = hf_layer.post_attention_layernorm.weight
+        self.wq, self.bq = a.q_proj.weight, a.q_proj.bias
+        self.wk, self.bk = a.k_proj.weight, a.k_proj.bias
+        self.wv, self.bv = a.v_proj.weight, a.v_proj.bias
+        self.wo, self.bo = a.o_proj.weight, a.o_proj.bias
+        self.q_norm = a.q_norm.weight if with_qk_norm else None
+        self.k_norm = a.k_norm.weight if with_qk_norm else None
+        self.w_gate, self.w_up, self.w_down = m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight
+
+
+_ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu}
+
+
+class Decoder:
+    """A RoPE decoder run one layer at a time.
+
+    Subclasses (one per family) only state what differs: `has_qk_norm`.
+
+    Args:
+        hf_model: a loaded `*ForCausalLM` of a supported family.
+    """
+
+    has_qk_norm = False
+
+    def __init__(self, hf_model) -> None:
+        cfg = hf_model.config
+        self.config = cfg
+        body = hf_model.model
+        n_heads = cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
+        self.spec = ArchSpec(
+            n_layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, n_heads=n_heads,
+            n_kv_heads=cfg.num_key_value_heads or n_heads, head_dim=head_dim, rms_eps=cfg.rms_norm_eps,
+            vocab=hf_model.lm_head.weight.shape[0], max_positions=cfg.max_position_embeddings,
+            family=cfg.model_type)
+        act = getattr(cfg, "hidden_act", "silu")
+        if act not in _ACTIVATIONS:
+            raise ValueError(f"unsupported activation {act!r}")
+        self.act = _ACTIVATIONS[act]
+        self.embed = body.embed_tokens.weight
+        self.layers = [_Layer(layer, self.has_qk_norm) for layer in body.layers[: cfg.num_hidden_layers]]
+        self.norm = body.norm.weight
+        self.lm_head = hf_model.lm_head.weight
+        self.rotary = body.rotary_emb
+        self.dtype = self.embed.dtype
+        self.device = self.embed.device
+
+    # -- the seam ---------------------------------------------------------------------------------------
+    def embed_tokens(self, ids: Tensor) -> Tensor:
+        """ids [T] -> hidden [T, hidden]."""
+        return F.embedding(ids, self.embed)
+
+    def project(self, i: int, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Layer i's input norm and q/k/v projections, before RoPE.
+
+        Args:
+            h: residual stream [T, hidden].
+        Returns:
+            q [T, n_heads, head_dim], k [T, n_kv_heads, head_dim], v [T, n_kv_heads, head_dim].
+        """
+        s, w = self.spec, self.layers[i]
+        x = rms_norm(h, w.ln1, s.rms_eps)
+        q = F.linear(x, w.wq, w.bq).view(-1, s.n_heads, s.head_dim)
+        k = F.linear(x, w.wk, w.bk).view(-1, s.n_kv_heads, s.head_dim)
+        v = F.linear(x, w.wv, w.bv).view(-1, s.n_kv_heads, s.head_dim)
+        if w.q_norm is not None:
+            q = rms_norm(q, w.q_norm, s.rms_eps)
+            k = rms_norm(k, w.k_norm, s.rms_eps)
+        return q, k, v
+
+    def finish(self, i: int, h: Tensor, attn: Tensor) -> Tensor:
+        """Layer i after attention: output projection, residual, MLP, residual.
+
+        Args:
+            h: the residual stream that entered the layer [T, hidden].
+            attn: attention output [T, n_heads, head_dim].
+        Returns:
+            the next residual stream [T, hidden].
+        """
+        s, w = self.spec, self.layers[i]
+        h = h + F.linear(attn.reshape(attn.shape[0], -1), w.wo, w.bo)
+        x = rms_norm(h, w.ln2, s.rms_eps)
+        return h + F.linear(self.act(F.linear(x, w.w_gate)) * F.linear(x, w.w_up), w.w_down)
+
+    def logits(self, h: Tensor) -> Tensor:
+        """Final norm and LM head: [T, hidden] -> [T, vocab] (in the model dtype)."""
+        return F.linear(rms_norm(h, self.norm, self.spec.rms_eps), self.lm_head)
+
+    # -- RoPE tables ------------------------------------------------------------------------------------
+    def rope_tables(self, n_positions: int) -> tuple[Tensor, Tensor]:
+        """cos, sin [n_positions, head_dim] in the model dtype, from the model's own rotary module.
+
+        Using the model's module keeps every scaling rule (Llama-3, YaRN attention factor) exactly as
+        transformers applies it.
+        """
+        pos = torch.arange(n_positions, device=self.device).unsqueeze(0)
+        probe = torch.empty(1, 1, dtype=self.dtype, device=self.device)
+        cos, sin = self.rotary(probe, pos)
+        return cos[0], sin[0]

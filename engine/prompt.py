@@ -1,0 +1,137 @@
+"""Prompt layout with explicit document spans.
+
+A RAG prompt is `[prefix][doc 1]...[doc n][question + assistant header]`, built as token ids, never by
+searching for separator strings. The prefix is the chat template up to the user turn's content (system
+prompt included) plus a fixed instruction; each document is tokenized alone (so its cache is reusable in any
+order); the tail holds the question, the end of the user turn and the assistant header.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .types import Document
+
+__all__ = ["PromptFormat", "PromptBuilder", "PromptLayout", "Span"]
+
+_SLOT = "\x00KVFUSE-CONTENT\x00"
+
+
+@dataclass(frozen=True)
+class PromptFormat:
+    """Text around the documents. Changing any field changes the cache namespace (via the prefix ids).
+
+    Attributes:
+        system_prompt: system message, or None for the chat template's default.
+        instruction: fixed text at the start of the user turn, before the documents.
+        doc_suffix: appended to every document's text (part of the document's own tokens).
+        question_template: the question text after the documents; `{question}` is replaced.
+    """
+
+    system_prompt: str | None = None
+    instruction: str = "Answer the question using the documents below.\n\n"
+    doc_suffix: str = "\n\n"
+    question_template: str = "Question: {question}\nAnswer concisely."
+
+
+@dataclass(frozen=True)
+class Span:
+    """A half-open token range [start, end) of the fused prompt."""
+
+    start: int
+    end: int
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+
+@dataclass
+class PromptLayout:
+    """Token ids of one request and where each part sits.
+
+    Attributes:
+        ids: [N] int64 token ids of the whole prompt.
+        prefix: span of the fixed prefix (always starts at 0).
+        docs: one span per document, in prompt order.
+        tail: span of the question + assistant header (always recomputed).
+        doc_ids: per-document token ids (each [L_i]), the exact tokens cached for that document.
+    """
+
+    ids: Tensor
+    prefix: Span
+    docs: list[Span]
+    tail: Span
+    doc_ids: list[Tensor]
+
+    @property
+    def n(self) -> int:
+        return int(self.ids.numel())
+
+    @property
+    def doc_tokens(self) -> int:
+        return sum(len(s) for s in self.docs)
+
+
+class PromptBuilder:
+    """Turns (question, documents) into a PromptLayout for one tokenizer and format.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer with a chat template (a plain fallback is used without one).
+        fmt: the PromptFormat.
+    """
+
+    def __init__(self, tokenizer, fmt: PromptFormat | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.fmt = fmt or PromptFormat()
+        head, tail = self._split_template()
+        self.prefix_ids = self._encode(head + self.fmt.instruction)
+        self._tail_text = tail
+        if not self.prefix_ids:
+            raise ValueError("the prompt prefix is empty: give the tokenizer a chat template or an instruction")
+
+    def _split_template(self) -> tuple[str, str]:
+        msgs = []
+        if self.fmt.system_prompt is not None:
+            msgs.append({"role": "system", "content": self.fmt.system_prompt})
+        msgs.append({"role": "user", "content": _SLOT})
+        if getattr(self.tokenizer, "chat_template", None):
+            text = self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        else:
+            sys_text = f"{self.fmt.system_prompt}\n\n" if self.fmt.system_prompt else ""
+            text = f"{sys_text}User: {_SLOT}\nAssistant:"
+        if text.count(_SLOT) != 1:
+            raise ValueError("the chat template does not place the user content exactly once")
+        head, tail = text.split(_SLOT)
+        return head, tail
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def encode_document(self, doc: Document) -> list[int]:
+        """Token ids of one document as it appears in every prompt (independent of its position)."""
+        return self._encode(doc.text + self.fmt.doc_suffix)
+
+    def encode_tail(self, question: str) -> list[int]:
+        """Token ids of the question and the assistant header."""
+        return self._encode(self.fmt.question_template.format(question=question) + self._tail_text)
+
+    def build(self, question: str, doc_ids: list[list[int]]) -> PromptLayout:
+        """Lays out prefix, documents (already tokenized) and question.
+
+        Args:
+            question: the user's question.
+            doc_ids: token ids of each document, from `encode_document`.
+        """
+        if not isinstance(question, str) or not question.strip():
+            raise ValueError("the question is empty")
+        tail_ids = self.encode_tail(question)
+        parts = [self.prefix_ids, *doc_ids, tail_ids]
+        spans, pos = [], 0
+        for p in parts:
+            spans.append(Span(pos, pos + len(p)))
+            pos += len(p)
+        ids = torch.tensor([t for p in parts for t in p], dtype=torch.long)
+        return PromptLayout(ids=ids, prefix=spans[0], docs=spans[1:-1], tail=spans[-1],
+                            doc_ids=[torch.tensor(d, dtype=torch.long) for d in doc_ids])

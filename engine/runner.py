@@ -1,0 +1,274 @@
+"""The layer loop: fused prefill over cached document KV, and decoding.
+
+The runner owns the loop; the model exposes the per-layer seam (`project`, `finish`); the strategy decides
+which rows are recomputed; kernels do attention, RoPE, scatter and scores.
+
+Per layer of a fused prefill:
+  1. project q/k/v of the active rows (pre-RoPE),
+  2. fill the layer's K/V with the cached pre-RoPE rows of every cached segment,
+  3. at a check layer, let the strategy shrink the active document rows (fresh vs cached K/V),
+  4. scatter the fresh K/V over the cached rows, rotate all keys at their ABSOLUTE positions,
+  5. attend: active query at position p sees keys at positions <= p only,
+  6. finish the layer for the active rows.
+The rotated K/V of every layer land in a decode cache sized for the answer, so decoding continues in place.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from ..kernels import apply_rope, attention_scores, fused_attention
+from .fusion.base import SelectContext, Strategy
+from .models.base import Decoder
+from .store.entry import DocKV
+
+__all__ = ["Segment", "DecodeState", "PrefillOutput", "Runner"]
+
+
+@dataclass
+class Segment:
+    """A run of prompt rows [start, end) served from `kv` (rows of kv: `kv_start ..`), or computed (kv=None).
+
+    `selectable` marks document segments (the strategy may recompute their tokens); the prefix is exact and
+    never selected.
+    """
+
+    start: int
+    end: int
+    kv: DocKV | None
+    selectable: bool = True
+
+
+@dataclass
+class DecodeState:
+    """Rotated K/V of the whole sequence so far, with room to grow.
+
+    Attributes:
+        k, v: [n_layers, capacity, n_kv_heads, head_dim].
+        length: rows filled.
+    """
+
+    k: Tensor
+    v: Tensor
+    length: int
+
+    @property
+    def capacity(self) -> int:
+        return int(self.k.shape[1])
+
+
+@dataclass
+class PrefillOutput:
+    logits: Tensor | None  # [vocab] float32 logits of the last prompt token (None when not asked)
+    state: DecodeState | None
+    captured: DocKV | None  # pre-RoPE K/V of the captured rows, when asked
+    recomputed: Tensor  # sorted positions of document rows recomputed (after the last check layer)
+    selection_s: float = 0.0
+    probe_s: float = 0.0
+    timings: dict = field(default_factory=dict)
+
+
+class Runner:
+    """Runs a Decoder over fused prompts.
+
+    Args:
+        decoder: the model, seen through its per-layer seam.
+    """
+
+    def __init__(self, decoder: Decoder) -> None:
+        self.dec = decoder
+        self.spec = decoder.spec
+        self._cos = self._sin = None
+
+    # -- helpers ---------------------------------------------------------------------------------------
+    def rope(self, n: int) -> tuple[Tensor, Tensor]:
+        """cos, sin tables covering positions [0, n)."""
+        if self._cos is None or self._cos.shape[0] < n:
+            size = max(n, 256)
+            size = 1 << (size - 1).bit_length()
+            self._cos, self._sin = self.dec.rope_tables(size)
+        return self._cos, self._sin
+
+    def _sync(self) -> None:
+        if self.dec.device.type == "cuda":
+            torch.cuda.synchronize(self.dec.device)
+
+    def _new_state(self, capacity: int) -> DecodeState:
+        s = self.spec
+        shape = (s.n_layers, capacity, s.n_kv_heads, s.head_dim)
+        return DecodeState(torch.empty(shape, dtype=self.dec.dtype, device=self.dec.device),
+                           torch.empty(shape, dtype=self.dec.dtype, device=self.dec.device), 0)
+
+    # -- fused prefill ---------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, ids: Tensor, segments: list[Segment], strategy: Strategy, ratio: float, *,
+                extra_capacity: int = 0, capture: tuple[int, int] | None = None,
+                want_logits: bool = True) -> PrefillOutput:
+        """Fused prefill of one prompt.
+
+        Args:
+            ids: [N] token ids of the whole prompt.
+            segments: cover [0, N) in order; rows of segments with kv=None are always computed.
+            strategy: picks the cached document rows to recompute.
+            ratio: the recompute ratio handed to the strategy.
+            extra_capacity: rows reserved in the decode cache after the prompt (new tokens).
+            capture: (start, end) rows whose pre-RoPE K/V to return as a DocKV (they must be computed rows).
+            want_logits: compute the last token's logits.
+        Returns:
+            PrefillOutput.
+        """
+        dev = self.dec.device
+        ids = ids.to(dev)
+        n = int(ids.numel())
+        n_layers = self.spec.n_layers
+        cos, sin = self.rope(n + extra_capacity)
+        pos_all = torch.arange(n, device=dev)
+
+        must = torch.ones(n, dtype=torch.bool, device=dev)
+        doc_spans = []
+        cached = []
+        for seg in segments:
+            if seg.kv is not None and strategy.uses_cache:
+                must[seg.start:seg.end] = False
+                cached.append(seg)
+                if seg.selectable:
+                    doc_spans.append((seg.start, seg.end))
+        candidates = (torch.cat([pos_all[s:e] for s, e in doc_spans]) if doc_spans
+                      else pos_all[:0])
+        must_pos = pos_all[must]
+        ctx = SelectContext(n_layers=n_layers, ratio=ratio, candidates=candidates, doc_spans=doc_spans,
+                            question=must_pos)
+
+        probe_s = 0.0
+        probe_layers = strategy.probe_layers(n_layers) if cached else ()
+        if probe_layers:
+            t0 = time.perf_counter()
+            ctx.question_attention = self._layers(ids, cached, must_pos, cos, sin, None, strategy, ctx,
+                                                  probe_layers=probe_layers).probes
+            self._sync()
+            probe_s = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        chosen = strategy.initial(ctx) if cached else candidates
+        self._sync()
+        selection_s = time.perf_counter() - t0
+
+        active = torch.sort(torch.cat([must_pos, chosen.to(dev)])).values
+        if active.numel() > 1 and bool((active[1:] == active[:-1]).any()):
+            active = torch.unique(active)
+        state = self._new_state(n + extra_capacity) if want_logits else None
+        run = self._layers(ids, cached, active, cos, sin, state, strategy, ctx, capture=capture, must=must)
+        selection_s += run.selection_s
+
+        logits = None
+        if want_logits:
+            if int(run.active[-1]) != n - 1:
+                raise RuntimeError("the last prompt token must be computed")
+            logits = self.dec.logits(run.h[-1:])[0].float()
+            state.length = n
+        recomputed = run.active[~must[run.active]]
+        return PrefillOutput(logits=logits, state=state, captured=run.captured, recomputed=recomputed,
+                             selection_s=selection_s, probe_s=probe_s)
+
+    @dataclass
+    class _Run:
+        h: Tensor
+        active: Tensor
+        selection_s: float
+        captured: DocKV | None
+        probes: dict
+
+    def _layers(self, ids, cached, active, cos, sin, state, strategy, ctx, *, capture=None, must=None,
+                probe_layers=()) -> Runner._Run:
+        """The layer loop over `active` rows. With `probe_layers`, records question attention and stops
+        after the deepest probe layer (no state is written)."""
+        dec, spec = self.dec, self.spec
+        n = int(ids.numel())
+        dev = ids.device
+        check = set(strategy.check_layers(spec.n_layers)) if (cached and not probe_layers) else set()
+        last_layer = max(probe_layers) if probe_layers else spec.n_layers - 1
+        h = dec.embed_tokens(ids[active])
+        kv_shape = (n, spec.n_kv_heads, spec.head_dim)
+        scratch_k = scratch_v = None
+        if state is None:
+            scratch_k = torch.empty(kv_shape, dtype=dec.dtype, device=dev)
+            scratch_v = torch.empty(kv_shape, dtype=dec.dtype, device=dev)
+        cap_k, cap_v = [], []
+        probes: dict[int, Tensor] = {}
+        selection_s = 0.0
+        cos_n, sin_n = cos[:n], sin[:n]
+        kv_pos = torch.arange(n, device=dev)
+        for i in range(last_layer + 1):
+            q, k, v = dec.project(i, h)
+            kbuf = state.k[i, :n] if state is not None else scratch_k
+            vbuf = state.v[i, :n] if state is not None else scratch_v
+            for seg in cached:
+                kbuf[seg.start:seg.end] = seg.kv.k[i]
+                vbuf[seg.start:seg.end] = seg.kv.v[i]
+            if i in check:
+                t0 = time.perf_counter()
+                doc_rows = ~must[active]
+                ctx.layer = i
+                ctx.active = active[doc_rows]
+                ctx.fresh_k, ctx.fresh_v = k[doc_rows], v[doc_rows]
+                ctx.cached_k, ctx.cached_v = kbuf[ctx.active], vbuf[ctx.active]
+                keep = strategy.refine(ctx)
+                ctx.fresh_k = ctx.fresh_v = ctx.cached_k = ctx.cached_v = None
+                new_active = torch.sort(torch.cat([active[~doc_rows], keep.to(dev)])).values
+                self._sync()
+                selection_s += time.perf_counter() - t0
+            else:
+                new_active = None
+            kbuf[active] = k
+            vbuf[active] = v
+            if capture is not None:
+                lo = int(torch.searchsorted(active, capture[0]))
+                hi = int(torch.searchsorted(active, capture[1]))
+                cap_k.append(k[lo:hi].clone())
+                cap_v.append(v[lo:hi].clone())
+            kbuf.copy_(apply_rope(kbuf, cos_n, sin_n))
+            if new_active is not None:
+                sel = torch.searchsorted(active, new_active)
+                q, h, active = q[sel], h[sel], new_active
+            qr = apply_rope(q, cos[active], sin[active])
+            if i in probe_layers:
+                probes[i] = attention_scores(qr, active, kbuf, None, kv_pos, None, None, spec.scale)
+            o = fused_attention(qr, active, kbuf, vbuf, None, kv_pos, None, None, spec.scale)
+            h = dec.finish(i, h, o)
+        captured = DocKV(torch.stack(cap_k), torch.stack(cap_v)) if capture is not None else None
+        return Runner._Run(h=h, active=active, selection_s=selection_s, captured=captured, probes=probes)
+
+    # -- decoding --------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def extend(self, state: DecodeState, ids: Tensor) -> Tensor:
+        """Appends T tokens to the decode state and returns their logits.
+
+        Args:
+            state: from `prefill` (grown in place).
+            ids: [T] token ids at positions state.length ...
+        Returns:
+            [T, vocab] float32 logits.
+        """
+        dec, spec = self.dec, self.spec
+        ids = ids.to(dec.device)
+        t = int(ids.numel())
+        p = state.length
+        if p + t > state.capacity:
+            raise RuntimeError(f"decode cache full ({state.capacity} rows)")
+        cos, sin = self.rope(p + t)
+        pos = torch.arange(p, p + t, device=dec.device)
+        kv_pos = torch.arange(p + t, device=dec.device)
+        c, s = cos[p:p + t], sin[p:p + t]
+        h = dec.embed_tokens(ids)
+        for i in range(spec.n_layers):
+            q, k, v = dec.project(i, h)
+            state.k[i, p:p + t] = apply_rope(k, c, s)
+            state.v[i, p:p + t] = v
+            o = fused_attention(apply_rope(q, c, s), pos, state.k[i, :p + t], state.v[i, :p + t], None, kv_pos,
+                                None, None, spec.scale)
+            h = dec.finish(i, h, o)
+        state.length = p + t
+        return dec.logits(h).float()

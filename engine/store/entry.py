@@ -1,0 +1,92 @@
+"""One document's cache entry and its file format.
+
+DocKV holds pre-RoPE keys and values of every layer at the document's local positions. On disk an entry is
+bytes: an 8-byte magic, a little-endian u32 header length, a JSON header (key, layout version, shapes,
+dtype, sha256 of the payload) and a safetensors payload. Loading verifies all of it; nothing is unpickled.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from dataclasses import dataclass
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+from torch import Tensor
+
+from .keys import LAYOUT_VERSION
+
+__all__ = ["DocKV", "CorruptEntry", "encode_entry", "decode_entry"]
+
+MAGIC = b"KVFUSE\x00\x01"
+
+
+class CorruptEntry(ValueError):
+    """A stored entry failed verification (bad magic, header, key, version, shape or checksum)."""
+
+
+@dataclass
+class DocKV:
+    """Cached K/V of one document.
+
+    Attributes:
+        k: [n_layers, L, n_kv_heads, head_dim] keys before RoPE, at local positions.
+        v: [n_layers, L, n_kv_heads, head_dim] values.
+    """
+
+    k: Tensor
+    v: Tensor
+
+    def __post_init__(self) -> None:
+        if self.k.shape != self.v.shape or self.k.dim() != 4:
+            raise ValueError(f"DocKV: k {tuple(self.k.shape)} and v {tuple(self.v.shape)} must be equal 4-D")
+
+    @property
+    def length(self) -> int:
+        return int(self.k.shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() * 2
+
+    def to(self, device) -> DocKV:
+        return DocKV(self.k.to(device, non_blocking=True), self.v.to(device, non_blocking=True))
+
+
+def encode_entry(key: str, kv: DocKV) -> bytes:
+    payload = st_save({"k": kv.k.contiguous().cpu(), "v": kv.v.contiguous().cpu()})
+    header = json.dumps({"key": key, "layout": LAYOUT_VERSION, "shape": list(kv.k.shape),
+                         "dtype": str(kv.k.dtype), "sha256": hashlib.sha256(payload).hexdigest()}).encode()
+    return MAGIC + struct.pack("<I", len(header)) + header + payload
+
+
+def decode_entry(key: str, blob: bytes) -> DocKV:
+    """Parses and verifies an entry written by `encode_entry` for `key`.
+
+    Raises:
+        CorruptEntry: on any mismatch.
+    """
+    if not isinstance(blob, (bytes, bytearray)) or len(blob) < 12 or blob[:8] != MAGIC:
+        raise CorruptEntry("bad magic")
+    (hlen,) = struct.unpack("<I", blob[8:12])
+    try:
+        header = json.loads(blob[12:12 + hlen].decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CorruptEntry(f"unreadable header: {e}") from None
+    payload = blob[12 + hlen:]
+    if header.get("key") != key:
+        raise CorruptEntry("entry belongs to another key")
+    if header.get("layout") != LAYOUT_VERSION:
+        raise CorruptEntry(f"layout version {header.get('layout')} != {LAYOUT_VERSION}")
+    if hashlib.sha256(payload).hexdigest() != header.get("sha256"):
+        raise CorruptEntry("payload checksum mismatch")
+    try:
+        tensors = st_load(bytes(payload))
+    except Exception as e:  # safetensors raises its own error types
+        raise CorruptEntry(f"unreadable payload: {e}") from None
+    k, v = tensors.get("k"), tensors.get("v")
+    if k is None or v is None or list(k.shape) != header["shape"] or str(k.dtype) != header["dtype"]:
+        raise CorruptEntry("payload does not match header")
+    return DocKV(k, v)
