@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..kernels import apply_rope, attention_scores, fused_attention
+from ..kernels.attention import fused_attention
+from ..kernels.rope import apply_rope
 from .fusion.base import SelectContext, Strategy
 from .models.base import Decoder
 from .store.entry import DocKV
@@ -235,6 +236,8 @@ class Runner:
                 q, h, active = q[sel], h[sel], new_active
             qr = apply_rope(q, cos[active], sin[active])
             if i in probe_layers:
+                from ..kernels.attn_scores import attention_scores
+
                 probes[i] = attention_scores(qr, active, kbuf, None, kv_pos, None, None, spec.scale)
             o = fused_attention(qr, active, kbuf, vbuf, None, kv_pos, None, None, spec.scale)
             h = dec.finish(i, h, o)

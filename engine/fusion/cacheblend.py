@@ -37,7 +37,7 @@ class CacheBlend(Strategy):
         return first + (ctx.ratio - first) * step / (len(layers) - 1)
 
     def refine(self, ctx: SelectContext):
-        from ...kernels import kv_deviation
+        from ...kernels.deviation import kv_deviation
 
         k = budget_for(self._ratio_at(ctx), int(ctx.candidates.numel()))
         dev = kv_deviation(ctx.fresh_k, ctx.cached_k)

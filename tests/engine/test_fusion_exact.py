@@ -18,7 +18,7 @@ from kvfuse.engine import runner as runner_mod
 from kvfuse.engine.api import FusionEngine
 from kvfuse.engine.fusion import make_strategy
 
-from .conftest import DOCS, FAMILIES, QUESTION
+from engine_cases import DOCS, FAMILIES, QUESTION
 
 
 def _prefill_logits(engine: FusionEngine, question, docs, strategy, ratio=0.15, **opts):
@@ -84,7 +84,7 @@ def test_reuse_equals_independent_concatenation(family, tiny_engine):
     with torch.inference_mode():
         pc = DynamicCache(config=hf.config)
         hf(prefix[None], cache=pc, use_cache=True)
-        per_layer = [[pc.layers[i].keys], [pc.layers[i].values]] if hasattr(pc, "layers") else None
+        per_layer = [[[pc.layers[i].keys], [pc.layers[i].values]] for i in range(hf.config.num_hidden_layers)]
         for span, ids in zip(layout.docs, layout.doc_ids):
             dc = DynamicCache(config=hf.config)
             hf(torch.cat([prefix, ids])[None], cache=dc, use_cache=True)
@@ -159,7 +159,7 @@ def test_greedy_is_deterministic(family, tiny_engine):
     r1 = engine.generate(QUESTION, DOCS, strategy="cacheblend", max_new_tokens=12)
     r2 = engine.generate(QUESTION, DOCS, strategy="cacheblend", max_new_tokens=12)
     assert r1.token_ids == r2.token_ids and r1.text == r2.text
-    assert r1.cache_hits == len(DOCS)
+    assert r1.cache_misses == len(DOCS) and r2.cache_hits == len(DOCS)  # same answer, cold or warm
 
 
 @pytest.mark.slow
@@ -168,6 +168,6 @@ def test_smollm2_full_matches_transformers_and_fuses(smollm2_engine):
     layout, out = _prefill_logits(engine, QUESTION, DOCS, "full")
     _assert_close(out.logits, _hf_logits(engine.hf_model, layout.ids), tol=1e-4)
     _, one = _prefill_logits(engine, QUESTION, DOCS, "cacheblend", ratio=1.0)
-    torch.testing.assert_close(one.logits, out.logits, rtol=0, atol=1e-5)
+    torch.testing.assert_close(one.logits, out.logits, rtol=1e-5, atol=1e-4)
     r = engine.generate(QUESTION, DOCS, strategy="cacheblend", recompute_ratio=0.15, max_new_tokens=8)
     assert r.cache_hits == len(DOCS) and 0 < r.recomputed_tokens <= round(0.15 * r.doc_tokens) + 1
