@@ -823,7 +823,7 @@ def load_model(name_or_path: str | Path, *, dtype: torch.dtype | str = torch.bfl
         cache_dir: see `resolve_model`.
         storage_dtype: dtype a GGUF source is converted to (once, on disk); bf16 by default whatever `dtype`
             is, so a float32 test and a bf16 run share one conversion.
-        progress: tqdm bars during a first conversion.
+        progress: tqdm bars during a first conversion (plain loads never show bars).
 
     Returns:
         (model in eval mode with requires_grad False and SDPA attention, tokenizer, ModelInfo).
@@ -836,7 +836,7 @@ def load_model(name_or_path: str | Path, *, dtype: torch.dtype | str = torch.bfl
 
     dtype = _as_dtype(dtype)
     path = resolve_model(name_or_path, cache_dir, dtype=storage_dtype, progress=progress)
-    with _transformers_quiet(not progress):
+    with _transformers_quiet(True):  # a folder load takes well under a second: no bars
         config = AutoConfig.from_pretrained(path, local_files_only=True)
         family = check_family(getattr(config, "model_type", None), str(name_or_path))
         model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype, attn_implementation="sdpa",
