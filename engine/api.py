@@ -100,11 +100,19 @@ class FusionEngine:
     def generate(self, question: str, docs: Iterable[Any] = (), *, strategy: str | Strategy = "cacheblend",
                  recompute_ratio: float = 0.15, max_new_tokens: int = 64, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int | None = None, stop: list[str] | None = None,
+                 teacher_ids: list[int] | None = None, return_logprobs: bool = False,
                  **strategy_options: Any) -> GenerationResult:
-        """Answers `question` over `docs` ((id, text) pairs). See GenerationResult for what comes back."""
+        """Answers `question` over `docs` ((id, text) pairs). See GenerationResult for what comes back.
+
+        Args:
+            teacher_ids: also score these tokens teacher-forced from the same prefill (for fidelity/KL):
+                `result.extra["teacher_logprobs"]` is [T, vocab] float32 (row t: log p(. | prompt, ids[:t])).
+            return_logprobs: `result.extra["logprobs"]` holds [generated, vocab] float32 log-probabilities of
+                each decoding step (for greedy decoding these are the teacher-forced ones of its own answer).
+        """
         s = self.stream(question, docs, strategy=strategy, recompute_ratio=recompute_ratio,
                         max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop,
-                        **strategy_options)
+                        teacher_ids=teacher_ids, return_logprobs=return_logprobs, **strategy_options)
         for _ in s:
             pass
         return s.result
@@ -112,6 +120,7 @@ class FusionEngine:
     def stream(self, question: str, docs: Iterable[Any] = (), *, strategy: str | Strategy = "cacheblend",
                recompute_ratio: float = 0.15, max_new_tokens: int = 64, temperature: float = 0.0,
                top_p: float = 1.0, seed: int | None = None, stop: list[str] | None = None,
+               teacher_ids: list[int] | None = None, return_logprobs: bool = False,
                **strategy_options: Any) -> GenerationStream:
         """Like `generate`, yielding text deltas; the GenerationResult is `.result` once exhausted.
 
@@ -126,8 +135,9 @@ class FusionEngine:
         docs = as_documents(docs)
         if not isinstance(question, str) or not question.strip():
             raise ValueError("the question is empty")
+        teacher = None if teacher_ids is None else torch.as_tensor(list(teacher_ids), dtype=torch.long)
         return GenerationStream(self._generate(question, docs, strat, float(recompute_ratio), max_new_tokens,
-                                               sampler, list(stop or [])))
+                                               sampler, list(stop or []), teacher, return_logprobs))
 
     def next_token_logprobs(self, question: str, docs: Iterable[Any], target_ids, *,
                             strategy: str | Strategy = "full", recompute_ratio: float = 0.15) -> torch.Tensor:
@@ -216,17 +226,28 @@ class FusionEngine:
         return layout, segs, miss_s
 
     def _generate(self, question: str, docs: list[Document], strat: Strategy, ratio: float, max_new: int,
-                  sampler: Sampler, stop: list[str]) -> Iterator[str]:
+                  sampler: Sampler, stop: list[str], teacher: torch.Tensor | None = None,
+                  return_logprobs: bool = False) -> Iterator[str]:
+        extra: dict[str, Any] = {}
         with self._lock:
             t_start = time.perf_counter()
             before = self.store.snapshot()
             layout, segs, miss_s = self._prepare(question, docs, strat)
-            self._check_length(layout.n + max_new)
+            n_teacher = 0 if teacher is None else int(teacher.numel())
+            self._check_length(layout.n + max(max_new, n_teacher))
             t_prefill = time.perf_counter()
-            out: PrefillOutput = self.runner.prefill(layout.ids, segs, strat, ratio, extra_capacity=max_new)
+            out: PrefillOutput = self.runner.prefill(layout.ids, segs, strat, ratio,
+                                                     extra_capacity=max(max_new, n_teacher))
             token = sampler(out.logits)
             t_first = time.perf_counter()
             after = self.store.snapshot()
+            if n_teacher:
+                rows = [out.logits[None]]
+                if n_teacher > 1:
+                    rows.append(self.runner.extend(out.state, teacher[:-1]))
+                    out.state.length = layout.n  # decoding overwrites the teacher rows
+                extra["teacher_logprobs"] = torch.log_softmax(torch.cat(rows), dim=-1).cpu()
+            step_logprobs = [torch.log_softmax(out.logits, -1).cpu()] if return_logprobs else None
             tokens, text, emitted, finish = [], "", 0, "length"
             while True:
                 if token in self.eos_ids:
@@ -244,10 +265,15 @@ class FusionEngine:
                     emitted = safe
                 if len(tokens) >= max_new:
                     break
-                token = sampler(self.runner.extend(out.state, torch.tensor([token]))[0])
+                logits = self.runner.extend(out.state, torch.tensor([token]))[0]
+                if step_logprobs is not None:
+                    step_logprobs.append(torch.log_softmax(logits, -1).cpu())
+                token = sampler(logits)
             if len(text) > emitted:
                 yield text[emitted:]
             t_end = time.perf_counter()
+        if step_logprobs is not None:
+            extra["logprobs"] = torch.stack(step_logprobs[: max(1, len(tokens))])
         return GenerationResult(
             text=text, token_ids=tokens, strategy=strat.name,
             recompute_ratio=1.0 if not strat.uses_cache else (0.0 if strat.ignores_ratio else ratio),
@@ -256,7 +282,7 @@ class FusionEngine:
             prompt_tokens=layout.n, doc_tokens=layout.doc_tokens, question_tokens=len(layout.tail),
             recomputed_tokens=int(out.recomputed.numel()) if strat.uses_cache else layout.doc_tokens,
             cache_hits=after.hits - before.hits, cache_misses=after.misses - before.misses,
-            stale=after.stale - before.stale)
+            stale=after.stale - before.stale, extra=extra)
 
 
 def _first_stop(text: str, stop: list[str]) -> int | None:

@@ -141,14 +141,17 @@ class Runner:
                       else pos_all[:0])
         must_pos = pos_all[must]
         ctx = SelectContext(n_layers=n_layers, ratio=ratio, candidates=candidates, doc_spans=doc_spans,
-                            question=must_pos)
+                            question=must_pos,
+                            doc_extras=[seg.kv.extras for seg in cached if seg.selectable])
 
         probe_s = 0.0
         probe_layers = strategy.probe_layers(n_layers) if cached else ()
         if probe_layers:
             t0 = time.perf_counter()
+            view = strategy.probe_keys(ctx)
+            keys = None if view is None else torch.unique(torch.cat([view.to(dev), must_pos]))
             ctx.question_attention = self._layers(ids, cached, must_pos, cos, sin, None, strategy, ctx,
-                                                  probe_layers=probe_layers).probes
+                                                  probe_layers=probe_layers, probe_keys=keys).probes
             self._sync()
             probe_s = time.perf_counter() - t0
 
@@ -183,9 +186,10 @@ class Runner:
         probes: dict
 
     def _layers(self, ids, cached, active, cos, sin, state, strategy, ctx, *, capture=None, must=None,
-                probe_layers=()) -> Runner._Run:
-        """The layer loop over `active` rows. With `probe_layers`, records question attention and stops
-        after the deepest probe layer (no state is written)."""
+                probe_layers=(), probe_keys=None) -> Runner._Run:
+        """The layer loop over `active` rows. With `probe_layers`, records question attention over all keys
+        and stops after the deepest probe layer (no state is written); `probe_keys` (sorted positions) then
+        restricts what the probed rows attend to, so their states come from a compressed view."""
         dec, spec = self.dec, self.spec
         n = int(ids.numel())
         dev = ids.device
@@ -239,7 +243,9 @@ class Runner:
                 from ..kernels.attn_scores import attention_scores
 
                 probes[i] = attention_scores(qr, active, kbuf, None, kv_pos, None, None, spec.scale)
-            o = fused_attention(qr, active, kbuf, vbuf, None, kv_pos, None, None, spec.scale)
+            rows = probe_keys
+            o = fused_attention(qr, active, kbuf, vbuf, rows, kv_pos if rows is None else rows, None, None,
+                                spec.scale)
             h = dec.finish(i, h, o)
         captured = DocKV(torch.stack(cap_k), torch.stack(cap_v)) if capture is not None else None
         return Runner._Run(h=h, active=active, selection_s=selection_s, captured=captured, probes=probes)

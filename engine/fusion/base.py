@@ -39,6 +39,7 @@ class SelectContext:
         fresh_v / cached_v: the same for values.
         question_attention: {layer: [Q, N] float32} softmax probabilities of the question rows over all keys,
             averaged over heads (from the probe pass; only for `probe_layers`).
+        doc_extras: per document (prompt order), the extra tensors stored with its cache (e.g. anchors).
     """
 
     n_layers: int
@@ -53,6 +54,7 @@ class SelectContext:
     fresh_v: Tensor | None = None
     cached_v: Tensor | None = None
     question_attention: dict[int, Tensor] = field(default_factory=dict)
+    doc_extras: list[dict[str, Tensor]] = field(default_factory=list)
 
     @property
     def budget(self) -> int:
@@ -89,6 +91,11 @@ class Strategy(ABC):
     def probe_layers(self, n_layers: int) -> tuple[int, ...]:
         """Layers at which the question probe records attention (empty: no probe)."""
         return ()
+
+    def probe_keys(self, ctx: SelectContext) -> Tensor | None:
+        """Positions of cached keys the probed question attends to (None: all of them). The question rows
+        are always added. Scores in `question_attention` still cover every key."""
+        return None
 
     def check_layers(self, n_layers: int) -> tuple[int, ...]:
         """Layers after whose projection `refine` runs."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from safetensors.torch import load as st_load
@@ -34,10 +34,12 @@ class DocKV:
     Attributes:
         k: [n_layers, L, n_kv_heads, head_dim] keys before RoPE, at local positions.
         v: [n_layers, L, n_kv_heads, head_dim] values.
+        extras: small named tensors stored with the entry (e.g. a strategy's offline token index).
     """
 
     k: Tensor
     v: Tensor
+    extras: dict[str, Tensor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.k.shape != self.v.shape or self.k.dim() != 4:
@@ -49,14 +51,18 @@ class DocKV:
 
     @property
     def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() * 2
+        return self.k.numel() * self.k.element_size() * 2 + sum(t.numel() * t.element_size()
+                                                                  for t in self.extras.values())
 
     def to(self, device) -> DocKV:
-        return DocKV(self.k.to(device, non_blocking=True), self.v.to(device, non_blocking=True))
+        return DocKV(self.k.to(device, non_blocking=True), self.v.to(device, non_blocking=True),
+                     {n: t.to(device) for n, t in self.extras.items()})
 
 
 def encode_entry(key: str, kv: DocKV) -> bytes:
-    payload = st_save({"k": kv.k.contiguous().cpu(), "v": kv.v.contiguous().cpu()})
+    tensors = {"k": kv.k.contiguous().cpu(), "v": kv.v.contiguous().cpu()}
+    tensors.update({f"x.{n}": t.contiguous().cpu() for n, t in kv.extras.items()})
+    payload = st_save(tensors)
     header = json.dumps({"key": key, "layout": LAYOUT_VERSION, "shape": list(kv.k.shape),
                          "dtype": str(kv.k.dtype), "sha256": hashlib.sha256(payload).hexdigest()}).encode()
     return MAGIC + struct.pack("<I", len(header)) + header + payload
@@ -89,4 +95,5 @@ def decode_entry(key: str, blob: bytes) -> DocKV:
     k, v = tensors.get("k"), tensors.get("v")
     if k is None or v is None or list(k.shape) != header["shape"] or str(k.dtype) != header["dtype"]:
         raise CorruptEntry("payload does not match header")
-    return DocKV(k, v)
+    extras = {n[2:]: t for n, t in tensors.items() if n.startswith("x.")}
+    return DocKV(k, v, extras)

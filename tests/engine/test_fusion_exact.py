@@ -171,3 +171,14 @@ def test_smollm2_full_matches_transformers_and_fuses(smollm2_engine):
     torch.testing.assert_close(one.logits, out.logits, rtol=1e-5, atol=1e-4)
     r = engine.generate(QUESTION, DOCS, strategy="cacheblend", recompute_ratio=0.15, max_new_tokens=8)
     assert r.cache_hits == len(DOCS) and 0 < r.recomputed_tokens <= round(0.15 * r.doc_tokens) + 1
+
+
+def test_teacher_forced_scores_match_decoding_and_standalone(tiny_engine):
+    engine = tiny_engine("qwen2")
+    r = engine.generate(QUESTION, DOCS, strategy="full", max_new_tokens=6, return_logprobs=True)
+    assert len(r.token_ids) == 6
+    t = engine.generate(QUESTION, DOCS, strategy="full", max_new_tokens=6, teacher_ids=r.token_ids)
+    torch.testing.assert_close(t.extra["teacher_logprobs"], r.extra["logprobs"], rtol=1e-4, atol=1e-4)
+    assert t.token_ids == r.token_ids  # scoring the teacher tokens does not disturb decoding
+    alone = engine.next_token_logprobs(QUESTION, DOCS, r.token_ids, strategy="full")
+    torch.testing.assert_close(alone, r.extra["logprobs"], rtol=1e-4, atol=1e-4)
