@@ -9,14 +9,17 @@ from typing import Any
 import torch
 
 from .config import EngineConfig, resolve_device, resolve_dtype
+from .corpus import default_cache_variants
 from .fusion import make_strategy
 from .fusion.base import Strategy
 from .fusion.reuse import Reuse
 from .models import build_decoder
+from .profile import default_doc_profilers, load_profile, reorder_documents
 from .prompt import PromptBuilder, PromptLayout
 from .runner import PrefillOutput, Runner, Segment
 from .sampler import Sampler
 from .store import DocKV, DocStore, Namespace, content_key, fingerprint_tensors
+from .store.pool import KVPool
 from .types import Document, GenerationResult, GenerationStream, PrecomputeReport, as_documents
 
 __all__ = ["FusionEngine", "DEFAULT_MODEL"]
@@ -53,14 +56,19 @@ class FusionEngine:
             model=model_fingerprint or fingerprint_tensors(hf_model.state_dict().items()),
             tokenizer=tokenizer_fingerprint or _tokenizer_fingerprint(tokenizer),
             dtype=str(self.dtype))
-        self.store = DocStore(self.config.memory_budget_bytes, self.config.disk_cache_dir,
-                              self.config.disk_budget_bytes, device=self.device)
         self.eos_ids = _eos_ids(hf_model, tokenizer)
         sliding = getattr(hf_model.config, "sliding_window", None) if getattr(
             hf_model.config, "use_sliding_window", True) else None
         self.context_window = min(self.decoder.spec.max_positions, sliding or 1 << 62)
+        self.store = self._make_store()
         self._lock = threading.RLock()
         self._prefix_key = content_key(self.namespace, [], self.prompts.prefix_ids)
+        # Offline per-document work some strategies read (see _doc_kvs): extras stored with a document's cache
+        # (name -> fn(engine, ids, kv) -> {name: tensor}), cache variants (name -> fn(engine, strategy, doc, ids)
+        # -> (DocKV, tokens computed)), and the corpus that neighbour-based variants (fusionrag) search.
+        self.doc_profilers = default_doc_profilers()
+        self.cache_variants = default_cache_variants()
+        self.corpus = None
 
     @classmethod
     def from_pretrained(cls, name_or_path: str = DEFAULT_MODEL, *, device: str | None = None,
@@ -86,13 +94,15 @@ class FusionEngine:
                    tokenizer_fingerprint=info.tokenizer_fingerprint)
 
     # -- public API ------------------------------------------------------------------------------------
-    def precompute(self, docs: Iterable[Any]) -> PrecomputeReport:
-        """Computes and stores the caches of documents not stored yet."""
+    def precompute(self, docs: Iterable[Any], strategy: str | Strategy | None = None) -> PrecomputeReport:
+        """Computes and stores the caches of documents not stored yet; with `strategy`, also the offline data that
+        strategy reads (its `needs_extras`, e.g. qcfuse's anchors, or its `cache_variant`, e.g. fusionrag's)."""
         docs = as_documents(docs)
-        with self._lock:
+        strat = None if strategy is None else make_strategy(strategy)
+        with self._lock, self.store.hold():
             t0 = time.perf_counter()
             before = self.store.snapshot()
-            _, tokens = self._doc_kvs(docs)
+            _, tokens = self._doc_kvs(docs, strat)
             after = self.store.snapshot()
         return PrecomputeReport(hits=after.hits - before.hits, misses=after.misses - before.misses,
                                 tokens=tokens, seconds=time.perf_counter() - t0)
@@ -150,8 +160,10 @@ class FusionEngine:
         target = torch.as_tensor(list(target_ids), dtype=torch.long)
         if target.numel() == 0:
             raise ValueError("target_ids is empty")
-        with self._lock:
-            layout, segs, _ = self._prepare(question, as_documents(docs), strat)
+        with self._lock, self.store.hold():
+            docs = as_documents(docs)
+            layout, segs, _ = self._prepare(question, docs, strat)
+            layout, segs, _ = self._reorder(question, docs, strat, recompute_ratio, layout, segs)
             self._check_length(layout.n + target.numel())
             out = self.runner.prefill(layout.ids, segs, strat, recompute_ratio, extra_capacity=int(target.numel()))
             rows = [out.logits[None]]
@@ -172,6 +184,18 @@ class FusionEngine:
         self.store.close()
 
     # -- internals -------------------------------------------------------------------------------------
+    def _make_store(self) -> DocStore:
+        cfg, spec = self.config, self.decoder.spec
+        tier = cfg.kv_tier if cfg.kv_tier != "auto" else ("pool" if self.device.type == "cuda" else "host")
+        pool = None
+        if tier == "pool":
+            row_bytes = 2 * spec.n_layers * spec.n_kv_heads * spec.head_dim * self.decoder.embed.element_size()
+            scratch = cfg.scratch_tokens or min(self.context_window, 32768)
+            pool = KVPool(spec.n_layers, spec.n_kv_heads, spec.head_dim, max(1, cfg.memory_budget_bytes // row_bytes),
+                          scratch, self.dtype, self.device)
+        return DocStore(cfg.memory_budget_bytes, cfg.disk_cache_dir, cfg.disk_budget_bytes, device=self.device,
+                        pool=pool, pin=tier == "host" and self.device.type == "cuda")
+
     def _check_length(self, n: int) -> None:
         if n > self.context_window:
             raise ValueError(f"prompt + answer is {n} tokens, over the model's context window of "
@@ -184,7 +208,8 @@ class FusionEngine:
             p = int(ids.numel())
             kv = self.runner.prefill(ids, [Segment(0, p, None)], Reuse(), 0.0, capture=(0, p),
                                      want_logits=False).captured
-            self.store.memory.put(self._prefix_key, kv)
+            kv = self.store.put(None, self._prefix_key, kv)
+        self.store.touch(self._prefix_key)
         return kv
 
     def _compute_doc(self, ids: list[int]) -> DocKV:
@@ -195,15 +220,35 @@ class FusionEngine:
         segs = [Segment(0, p, self._prefix_kv(), selectable=False), Segment(p, n, None)]
         return self.runner.prefill(full, segs, Reuse(), 0.0, capture=(p, n), want_logits=False).captured
 
-    def _doc_kvs(self, docs: list[Document]) -> tuple[list[tuple[list[int], DocKV]], int]:
+    def _doc_kvs(self, docs: list[Document], strat: Strategy | None = None
+                 ) -> tuple[list[tuple[list[int], DocKV]], int]:
+        """(ids, cache) per document, computing what is missing; returns also the document tokens computed.
+
+        With a strategy: a `cache_variant` it names replaces the plain cache (served by `self.cache_variants`),
+        and the extras it names in `needs_extras` are computed once by `self.doc_profilers` and stored with the
+        entry (their cost counts as miss time)."""
         out, tokens = [], 0
+        variant = getattr(strat, "cache_variant", None)
+        needs = tuple(getattr(strat, "needs_extras", ()))
         for d in docs:
             ids = self.prompts.encode_document(d)
+            if variant:
+                kv, n = self.cache_variants[variant](self, strat, d, ids)
+                out.append((ids, kv))
+                tokens += n
+                continue
             key = content_key(self.namespace, self.prompts.prefix_ids, ids)
             kv = self.store.lookup(d.id, key)
             if kv is None:
-                kv = self._compute_doc(ids)
-                self.store.put(d.id, key, kv)
+                kv = self.store.put(d.id, key, self._compute_doc(ids))
+                tokens += len(ids)
+            missing = [n for n in needs if n not in kv.extras]
+            if missing:
+                extras = dict(kv.extras)
+                for name in missing:
+                    extras.update(self.doc_profilers[name](self, ids, kv))
+                own = kv if kv.pool is None else DocKV(kv.k.clone(), kv.v.clone())  # pooled rows get moved
+                kv = self.store.put(d.id, key, DocKV(own.k, own.v, extras))
                 tokens += len(ids)
             out.append((ids, kv))
         return out, tokens
@@ -211,8 +256,10 @@ class FusionEngine:
     def _prepare(self, question: str, docs: list[Document], strat: Strategy):
         """Tokenizes, looks up (computing misses) and returns (layout, segments, seconds spent on misses)."""
         t0 = time.perf_counter()
+        if hasattr(strat, "use_model_profile"):  # e.g. qcfuse's critical layers, found offline per model
+            strat.use_model_profile(load_profile(self))
         if strat.uses_cache:
-            pairs, miss_tokens = self._doc_kvs(docs)
+            pairs, miss_tokens = self._doc_kvs(docs, strat)
             layout = self.prompts.build(question, [ids for ids, _ in pairs])
             segs = [Segment(layout.prefix.start, layout.prefix.end, self._prefix_kv(), selectable=False)]
             segs += [Segment(sp.start, sp.end, kv) for sp, (_, kv) in zip(layout.docs, pairs)]
@@ -225,17 +272,28 @@ class FusionEngine:
         miss_s = time.perf_counter() - t0 if miss_tokens else 0.0
         return layout, segs, miss_s
 
+    def _reorder(self, question: str, docs: list[Document], strat: Strategy, ratio: float, layout, segs):
+        """For a strategy with `reorders_documents` (infoflow's reorder): one selection pass over the given order,
+        then the prompt again in the order `strat.document_order` asks for. Returns (layout, segs, seconds)."""
+        if not getattr(strat, "reorders_documents", False) or len(docs) < 2:
+            return layout, segs, 0.0
+        t0 = time.perf_counter()
+        ordered = reorder_documents(self.runner, layout, segs, docs, strat, ratio)
+        layout, segs, _ = self._prepare(question, ordered, strat)
+        return layout, segs, time.perf_counter() - t0
+
     def _generate(self, question: str, docs: list[Document], strat: Strategy, ratio: float, max_new: int,
                   sampler: Sampler, stop: list[str], teacher: torch.Tensor | None = None,
                   return_logprobs: bool = False) -> Iterator[str]:
         extra: dict[str, Any] = {}
-        with self._lock:
+        with self._lock, self.store.hold():
             t_start = time.perf_counter()
             before = self.store.snapshot()
             layout, segs, miss_s = self._prepare(question, docs, strat)
             n_teacher = 0 if teacher is None else int(teacher.numel())
             self._check_length(layout.n + max(max_new, n_teacher))
             t_prefill = time.perf_counter()
+            layout, segs, reorder_s = self._reorder(question, docs, strat, ratio, layout, segs)
             out: PrefillOutput = self.runner.prefill(layout.ids, segs, strat, ratio,
                                                      extra_capacity=max(max_new, n_teacher))
             token = sampler(out.logits)
@@ -278,7 +336,7 @@ class FusionEngine:
             text=text, token_ids=tokens, strategy=strat.name,
             recompute_ratio=1.0 if not strat.uses_cache else (0.0 if strat.ignores_ratio else ratio),
             finish_reason=finish, ttft_s=t_first - t_start, prefill_s=t_first - t_prefill,
-            decode_s=t_end - t_first, selection_s=out.selection_s + out.probe_s, miss_prefill_s=miss_s,
+            decode_s=t_end - t_first, selection_s=out.selection_s + out.probe_s + reorder_s, miss_prefill_s=miss_s,
             prompt_tokens=layout.n, doc_tokens=layout.doc_tokens, question_tokens=len(layout.tail),
             recomputed_tokens=int(out.recomputed.numel()) if strat.uses_cache else layout.doc_tokens,
             cache_hits=after.hits - before.hits, cache_misses=after.misses - before.misses,

@@ -46,14 +46,23 @@ class EngineConfig:
         disk_cache_dir: folder of the persistent KV tier; None keeps caches in memory only.
         disk_budget_bytes: size limit of the disk tier, bytes.
         prompt: the prompt format (system prompt, instruction, question template).
+        kv_tier: where hot document caches live: "pool" (one preallocated pool on the compute device, used in
+            place by row; the GPU default), "host" (standalone tensors in host memory, pinned and streamed to a
+            GPU layer by layer; the CPU default), or "auto".
+        scratch_tokens: rows of the pool reserved for one request's recomputed tokens (0: the context window,
+            capped at 32768).
     """
 
     memory_budget_bytes: int = 4 << 30
     disk_cache_dir: Path | None = None
     disk_budget_bytes: int = 20 << 30
     prompt: PromptFormat = field(default_factory=PromptFormat)
+    kv_tier: str = "auto"
+    scratch_tokens: int = 0
 
     def __post_init__(self) -> None:
+        if self.kv_tier not in ("auto", "pool", "host"):
+            raise ValueError(f"kv_tier must be 'auto', 'pool' or 'host', got {self.kv_tier!r}")
         if self.memory_budget_bytes < 0 or self.disk_budget_bytes < 0:
             raise ValueError("cache budgets must be >= 0 bytes")
         if self.disk_cache_dir is not None:

@@ -22,8 +22,10 @@ from torch import Tensor
 
 from ..kernels.attention import fused_attention
 from ..kernels.rope import apply_rope
+from ..kernels.scatter import scatter_rows
 from .fusion.base import SelectContext, Strategy
 from .models.base import Decoder
+from .sources import make_source
 from .store.entry import DocKV
 
 __all__ = ["Segment", "DecodeState", "PrefillOutput", "Runner"]
@@ -55,6 +57,7 @@ class DecodeState:
     k: Tensor
     v: Tensor
     length: int
+    pending: tuple | None = None  # prompt K/V still to be written (see Runner.materialize)
 
     @property
     def capacity(self) -> int:
@@ -184,42 +187,43 @@ class Runner:
         selection_s: float
         captured: DocKV | None
         probes: dict
+        fresh: list  # per layer: (positions, k, v) of the rows computed at that layer (pre-RoPE)
 
     def _layers(self, ids, cached, active, cos, sin, state, strategy, ctx, *, capture=None, must=None,
                 probe_layers=(), probe_keys=None) -> Runner._Run:
-        """The layer loop over `active` rows. With `probe_layers`, records question attention over all keys
-        and stops after the deepest probe layer (no state is written); `probe_keys` (sorted positions) then
-        restricts what the probed rows attend to, so their states come from a compressed view."""
+        """The layer loop over `active` rows.
+
+        Cached rows are read through a source (pool rows in place, or per-layer assembled buffers); the
+        computed rows' fresh K/V go to their scratch rows. With `probe_layers`, records question attention over
+        all keys and stops after the deepest probe layer; `probe_keys` (sorted positions) then restricts what
+        the probed rows attend to, so their states come from a compressed view.
+        """
         dec, spec = self.dec, self.spec
         n = int(ids.numel())
         dev = ids.device
         check = set(strategy.check_layers(spec.n_layers)) if (cached and not probe_layers) else set()
         last_layer = max(probe_layers) if probe_layers else spec.n_layers - 1
+        src = make_source([(seg.start, seg.end, seg.kv) for seg in cached], n, (spec.n_kv_heads, spec.head_dim),
+                          dec.dtype, dev)
         h = dec.embed_tokens(ids[active])
-        kv_shape = (n, spec.n_kv_heads, spec.head_dim)
-        scratch_k = scratch_v = None
-        if state is None:
-            scratch_k = torch.empty(kv_shape, dtype=dec.dtype, device=dev)
-            scratch_v = torch.empty(kv_shape, dtype=dec.dtype, device=dev)
-        cap_k, cap_v = [], []
+        cap_k, cap_v, fresh = [], [], []
         probes: dict[int, Tensor] = {}
         selection_s = 0.0
-        cos_n, sin_n = cos[:n], sin[:n]
         kv_pos = torch.arange(n, device=dev)
+        rows_all = src.base_rows if probe_keys is None else src.base_rows[probe_keys]
+        pos_all = kv_pos if probe_keys is None else probe_keys
         for i in range(last_layer + 1):
+            kpool, vpool = src.layer(i)
+            src.prefetch(i + 1, last_layer + 1)
             q, k, v = dec.project(i, h)
-            kbuf = state.k[i, :n] if state is not None else scratch_k
-            vbuf = state.v[i, :n] if state is not None else scratch_v
-            for seg in cached:
-                kbuf[seg.start:seg.end] = seg.kv.k[i]
-                vbuf[seg.start:seg.end] = seg.kv.v[i]
             if i in check:
                 t0 = time.perf_counter()
                 doc_rows = ~must[active]
                 ctx.layer = i
                 ctx.active = active[doc_rows]
                 ctx.fresh_k, ctx.fresh_v = k[doc_rows], v[doc_rows]
-                ctx.cached_k, ctx.cached_v = kbuf[ctx.active], vbuf[ctx.active]
+                base = src.base_rows[ctx.active]
+                ctx.cached_k, ctx.cached_v = kpool.index_select(0, base), vpool.index_select(0, base)
                 keep = strategy.refine(ctx)
                 ctx.fresh_k = ctx.fresh_v = ctx.cached_k = ctx.cached_v = None
                 new_active = torch.sort(torch.cat([active[~doc_rows], keep.to(dev)])).values
@@ -227,14 +231,21 @@ class Runner:
                 selection_s += time.perf_counter() - t0
             else:
                 new_active = None
-            kbuf[active] = k
-            vbuf[active] = v
+            scratch = src.scratch_rows[active]
+            scatter_rows(kpool, scratch, k)
+            scatter_rows(vpool, scratch, v)
+            if src.identity and probe_keys is None:
+                rows = None  # position p is row p: no gather needed
+            else:
+                rows = rows_all.clone()
+                rows[active if probe_keys is None else torch.searchsorted(probe_keys, active)] = scratch
+            if state is not None:
+                fresh.append((active, k, v))
             if capture is not None:
                 lo = int(torch.searchsorted(active, capture[0]))
                 hi = int(torch.searchsorted(active, capture[1]))
                 cap_k.append(k[lo:hi].clone())
                 cap_v.append(v[lo:hi].clone())
-            kbuf.copy_(apply_rope(kbuf, cos_n, sin_n))
             if new_active is not None:
                 sel = torch.searchsorted(active, new_active)
                 q, h, active = q[sel], h[sel], new_active
@@ -242,13 +253,33 @@ class Runner:
             if i in probe_layers:
                 from ..kernels.attn_scores import attention_scores
 
-                probes[i] = attention_scores(qr, active, kbuf, None, kv_pos, None, None, spec.scale)
-            rows = probe_keys
-            o = fused_attention(qr, active, kbuf, vbuf, rows, kv_pos if rows is None else rows, None, None,
-                                spec.scale)
+                full_rows = src.base_rows.clone()
+                full_rows[active] = src.scratch_rows[active]
+                probes[i] = attention_scores(qr, active, kpool, full_rows, kv_pos, cos, sin, spec.scale)
+            o = fused_attention(qr, active, kpool, vpool, rows, pos_all, cos, sin, spec.scale)
             h = dec.finish(i, h, o)
+            src.done_with(i)
         captured = DocKV(torch.stack(cap_k), torch.stack(cap_v)) if capture is not None else None
-        return Runner._Run(h=h, active=active, selection_s=selection_s, captured=captured, probes=probes)
+        if state is not None:
+            state.pending = (src, fresh, n)  # written into the decode cache on the first extend (after TTFT)
+        return Runner._Run(h=h, active=active, selection_s=selection_s, captured=captured, probes=probes,
+                           fresh=fresh)
+
+    @torch.inference_mode()
+    def materialize(self, state: DecodeState) -> None:
+        if state.pending is None:
+            return
+        """Writes every layer's rotated K/V of the prompt into the decode state: cached rows from the source,
+        overlaid with the rows computed at that layer."""
+        src, fresh, n = state.pending
+        state.pending = None
+        cos, sin = self.rope(n)
+        for i, (pos, k, v) in enumerate(fresh):
+            ck, cv = src.cached_layer(i)
+            ck[pos] = k
+            cv[pos] = v
+            state.k[i, :n] = apply_rope(ck, cos[:n], sin[:n])
+            state.v[i, :n] = cv
 
     # -- decoding --------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -262,6 +293,8 @@ class Runner:
             [T, vocab] float32 logits.
         """
         dec, spec = self.dec, self.spec
+        if state.pending is not None:
+            self.materialize(state)
         ids = ids.to(dec.device)
         t = int(ids.numel())
         p = state.length

@@ -40,6 +40,8 @@ class DocKV:
     k: Tensor
     v: Tensor
     extras: dict[str, Tensor] = field(default_factory=dict)
+    pool: object | None = None  # the KVPool whose rows [offset, offset + L) k and v are views of
+    offset: int = 0
 
     def __post_init__(self) -> None:
         if self.k.shape != self.v.shape or self.k.dim() != 4:

