@@ -336,7 +336,7 @@ class FusionEngine:
             text=text, token_ids=tokens, strategy=strat.name,
             recompute_ratio=1.0 if not strat.uses_cache else (0.0 if strat.ignores_ratio else ratio),
             finish_reason=finish, ttft_s=t_first - t_start, prefill_s=t_first - t_prefill,
-            decode_s=t_end - t_first, selection_s=out.selection_s + out.probe_s + reorder_s, miss_prefill_s=miss_s,
+            decode_s=t_end - t_first, selection_s=out.selection_s + reorder_s, miss_prefill_s=miss_s,
             prompt_tokens=layout.n, doc_tokens=layout.doc_tokens, question_tokens=len(layout.tail),
             recomputed_tokens=int(out.recomputed.numel()) if strat.uses_cache else layout.doc_tokens,
             cache_hits=after.hits - before.hits, cache_misses=after.misses - before.misses,

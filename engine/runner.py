@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from ..kernels.attention import fused_attention
+from ..kernels.causal import causal_attention
 from ..kernels.rope import apply_rope
 from ..kernels.scatter import scatter_rows
 from .fusion.base import SelectContext, Strategy
@@ -29,6 +30,43 @@ from .sources import make_source
 from .store.entry import DocKV
 
 __all__ = ["Segment", "DecodeState", "PrefillOutput", "Runner"]
+
+
+class _Clock:
+    """Accumulates the time of several intervals without stalling the device.
+
+    On CUDA each interval is a pair of events read once at the end (after the caller's own synchronisation);
+    elsewhere a host clock.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._pairs: list = []
+        self._host = 0.0
+        self._t0 = 0.0
+
+    def start(self) -> None:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self._pairs.append([ev, None])
+        else:
+            self._t0 = time.perf_counter()
+
+    def stop(self) -> None:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self._pairs[-1][1] = ev
+        else:
+            self._host += time.perf_counter() - self._t0
+
+    def seconds(self) -> float:
+        if not self.cuda:
+            return self._host
+        if self._pairs:
+            self._pairs[-1][1].synchronize()
+        return sum(a.elapsed_time(b) for a, b in self._pairs) / 1e3
 
 
 @dataclass
@@ -70,9 +108,7 @@ class PrefillOutput:
     state: DecodeState | None
     captured: DocKV | None  # pre-RoPE K/V of the captured rows, when asked
     recomputed: Tensor  # sorted positions of document rows recomputed (after the last check layer)
-    selection_s: float = 0.0
-    probe_s: float = 0.0
-    timings: dict = field(default_factory=dict)
+    selection_s: float = 0.0  # strategy time: probe pass, initial choice, check-layer refinement
 
 
 class Runner:
@@ -99,6 +135,9 @@ class Runner:
     def _sync(self) -> None:
         if self.dec.device.type == "cuda":
             torch.cuda.synchronize(self.dec.device)
+
+    def _clock(self) -> _Clock:
+        return _Clock(self.dec.device)
 
     def _new_state(self, capacity: int) -> DecodeState:
         s = self.spec
@@ -131,66 +170,63 @@ class Runner:
         cos, sin = self.rope(n + extra_capacity)
         pos_all = torch.arange(n, device=dev)
 
-        must = torch.ones(n, dtype=torch.bool, device=dev)
+        # index sets are built on the host from the segment spans: no device round trip in the hot path
+        must_host = torch.ones(n, dtype=torch.bool)
         doc_spans = []
         cached = []
         for seg in segments:
             if seg.kv is not None and strategy.uses_cache:
-                must[seg.start:seg.end] = False
+                must_host[seg.start:seg.end] = False
                 cached.append(seg)
                 if seg.selectable:
                     doc_spans.append((seg.start, seg.end))
-        candidates = (torch.cat([pos_all[s:e] for s, e in doc_spans]) if doc_spans
-                      else pos_all[:0])
-        must_pos = pos_all[must]
+        arange = torch.arange(n)
+        candidates = (torch.cat([arange[s:e] for s, e in doc_spans]) if doc_spans else arange[:0]).to(dev)
+        must_pos = arange[must_host].to(dev)
         ctx = SelectContext(n_layers=n_layers, ratio=ratio, candidates=candidates, doc_spans=doc_spans,
                             question=must_pos,
                             doc_extras=[seg.kv.extras for seg in cached if seg.selectable])
 
-        probe_s = 0.0
+        clock = self._clock()
         probe_layers = strategy.probe_layers(n_layers) if cached else ()
         if probe_layers:
-            t0 = time.perf_counter()
+            clock.start()
             view = strategy.probe_keys(ctx)
             keys = None if view is None else torch.unique(torch.cat([view.to(dev), must_pos]))
-            ctx.question_attention = self._layers(ids, cached, must_pos, cos, sin, None, strategy, ctx,
-                                                  probe_layers=probe_layers, probe_keys=keys).probes
-            self._sync()
-            probe_s = time.perf_counter() - t0
+            ctx.question_attention = self._layers(ids, cached, must_pos, must_pos[:0], cos, sin, None, strategy,
+                                                  ctx, probe_layers=probe_layers, probe_keys=keys).probes
+            clock.stop()
 
-        t0 = time.perf_counter()
-        chosen = strategy.initial(ctx) if cached else candidates
-        self._sync()
-        selection_s = time.perf_counter() - t0
-
-        active = torch.sort(torch.cat([must_pos, chosen.to(dev)])).values
-        if active.numel() > 1 and bool((active[1:] == active[:-1]).any()):
-            active = torch.unique(active)
+        clock.start()
+        chosen = (strategy.initial(ctx) if cached else candidates).to(dev)
+        active = torch.sort(torch.cat([must_pos, chosen])).values
+        clock.stop()
         state = self._new_state(n + extra_capacity) if want_logits else None
-        run = self._layers(ids, cached, active, cos, sin, state, strategy, ctx, capture=capture, must=must)
-        selection_s += run.selection_s
+        run = self._layers(ids, cached, active, chosen, cos, sin, state, strategy, ctx, capture=capture,
+                           must_pos=must_pos, clock=clock)
 
         logits = None
         if want_logits:
-            if int(run.active[-1]) != n - 1:
+            if not bool(must_host[-1]):
                 raise RuntimeError("the last prompt token must be computed")
             logits = self.dec.logits(run.h[-1:])[0].float()
             state.length = n
-        recomputed = run.active[~must[run.active]]
+        recomputed = run.active_docs
+        selection_s = clock.seconds()
         return PrefillOutput(logits=logits, state=state, captured=run.captured, recomputed=recomputed,
-                             selection_s=selection_s, probe_s=probe_s)
+                             selection_s=selection_s)
 
     @dataclass
     class _Run:
         h: Tensor
         active: Tensor
-        selection_s: float
+        active_docs: Tensor
         captured: DocKV | None
         probes: dict
         fresh: list  # per layer: (positions, k, v) of the rows computed at that layer (pre-RoPE)
 
-    def _layers(self, ids, cached, active, cos, sin, state, strategy, ctx, *, capture=None, must=None,
-                probe_layers=(), probe_keys=None) -> Runner._Run:
+    def _layers(self, ids, cached, active, active_docs, cos, sin, state, strategy, ctx, *, capture=None,
+                must_pos=None, probe_layers=(), probe_keys=None, clock=None) -> Runner._Run:
         """The layer loop over `active` rows.
 
         Cached rows are read through a source (pool rows in place, or per-layer assembled buffers); the
@@ -208,27 +244,36 @@ class Runner:
         h = dec.embed_tokens(ids[active])
         cap_k, cap_v, fresh = [], [], []
         probes: dict[int, Tensor] = {}
-        selection_s = 0.0
         kv_pos = torch.arange(n, device=dev)
         rows_all = src.base_rows if probe_keys is None else src.base_rows[probe_keys]
         pos_all = kv_pos if probe_keys is None else probe_keys
+        plain = not cached and probe_keys is None  # a plain causal prefill: no cache read, nothing to scatter
         for i in range(last_layer + 1):
+            if plain:
+                q, k, v = dec.project(i, h)
+                if state is not None:
+                    fresh.append((active, k, v))
+                if capture is not None:
+                    cap_k.append(k[capture[0]:capture[1]].clone())
+                    cap_v.append(v[capture[0]:capture[1]].clone())
+                c, s_ = cos[:n], sin[:n]
+                h = dec.finish(i, h, causal_attention(apply_rope(q, c, s_), apply_rope(k, c, s_), v, spec.scale))
+                continue
             kpool, vpool = src.layer(i)
             src.prefetch(i + 1, last_layer + 1)
             q, k, v = dec.project(i, h)
             if i in check:
-                t0 = time.perf_counter()
-                doc_rows = ~must[active]
+                clock.start()
+                doc_rows = torch.searchsorted(active, active_docs)  # their rows among the active ones
                 ctx.layer = i
-                ctx.active = active[doc_rows]
+                ctx.active = active_docs
                 ctx.fresh_k, ctx.fresh_v = k[doc_rows], v[doc_rows]
-                base = src.base_rows[ctx.active]
+                base = src.base_rows[active_docs]
                 ctx.cached_k, ctx.cached_v = kpool.index_select(0, base), vpool.index_select(0, base)
-                keep = strategy.refine(ctx)
+                active_docs = strategy.refine(ctx).to(dev)
                 ctx.fresh_k = ctx.fresh_v = ctx.cached_k = ctx.cached_v = None
-                new_active = torch.sort(torch.cat([active[~doc_rows], keep.to(dev)])).values
-                self._sync()
-                selection_s += time.perf_counter() - t0
+                new_active = torch.sort(torch.cat([must_pos, active_docs])).values
+                clock.stop()
             else:
                 new_active = None
             scratch = src.scratch_rows[active]
@@ -262,7 +307,7 @@ class Runner:
         captured = DocKV(torch.stack(cap_k), torch.stack(cap_v)) if capture is not None else None
         if state is not None:
             state.pending = (src, fresh, n)  # written into the decode cache on the first extend (after TTFT)
-        return Runner._Run(h=h, active=active, selection_s=selection_s, captured=captured, probes=probes,
+        return Runner._Run(h=h, active=active, active_docs=active_docs, captured=captured, probes=probes,
                            fresh=fresh)
 
     @torch.inference_mode()

@@ -46,8 +46,9 @@ class PooledSource(_NoPrefetch):
         for start, end, kv in segments:
             if kv is not None:
                 base[start:end] = torch.arange(kv.offset, kv.offset + (end - start))
-        self.scratch_rows = torch.arange(pool.scratch_start, pool.scratch_start + n, device=device)
-        self.base_rows = torch.where(base < 0, self.scratch_rows.cpu(), base).to(device)
+        scratch = torch.arange(pool.scratch_start, pool.scratch_start + n)
+        self.scratch_rows = scratch.to(device)
+        self.base_rows = torch.where(base < 0, scratch, base).to(device)
 
     def layer(self, i: int) -> tuple[Tensor, Tensor]:
         return self.pool.k[i], self.pool.v[i]

@@ -48,7 +48,7 @@ class InfoFlow(Strategy):
 
     def scores(self, ctx: SelectContext):
         """[C] score of each candidate: mean over probe layers of the L2 norm over question rows."""
-        return layer_mean(ctx, self.probe_layers(ctx.n_layers), "mean")
+        return layer_mean(ctx, self.probe_layers(ctx.n_layers), "l2")
 
     def initial(self, ctx: SelectContext):
         if ctx.budget == 0:

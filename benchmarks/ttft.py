@@ -1,0 +1,267 @@
+"""TTFT benchmark: Hugging Face transformers SDPA full prefill vs kvfuse's strategies, side by side in one run.
+
+Random bf16 weights at real shapes (timing does not depend on weight values). The prompt is
+`[prefix 32][doc 512] x n [question 64]` built from random token ids; documents are precomputed first, then
+every row is timed from the call with token ids to the first token's logits (lookup, selection included),
+median of `--reps` after `--warmup` runs. Caches GPU-resident (one pool, used in place) and CPU-resident
+(pinned host memory, streamed layer by layer).
+
+Prints a table (with the ratio HF/kvfuse and each row's arithmetic floor) and writes CSV.
+
+    python benchmarks/ttft.py --shapes llama8b --contexts 2048,8192,32768 --out ttft.csv
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SHAPES = {
+    # name: (config class, kwargs)
+    "llama8b": ("LlamaConfig", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                    num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                                    max_position_embeddings=131072, rope_theta=500000.0,
+                                    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                  "high_freq_factor": 4.0,
+                                                  "original_max_position_embeddings": 8192})),
+    "qwen7b": ("Qwen2Config", dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                                   num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+                                   max_position_embeddings=131072, rope_theta=1000000.0)),
+    "tiny": ("LlamaConfig", dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
+                                 num_key_value_heads=2, vocab_size=4096, max_position_embeddings=65536)),
+}
+
+
+class _IdsTokenizer:
+    """Just enough tokenizer for the engine's constructor; the benchmark hands token ids in directly."""
+
+    chat_template = None
+    eos_token_id = None
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [11 + (sum(map(ord, w)) % 1000) for w in text.split()] or [7]}
+
+    def get_vocab(self):
+        return {}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+def build(shape: str, device: str):
+    import transformers
+
+    cls_name, kw = SHAPES[shape]
+    cfg = getattr(transformers, cls_name)(**kw)
+    cfg._attn_implementation = "sdpa"
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    model.eval().requires_grad_(False)
+    with torch.no_grad():  # small random weights keep bf16 activations finite over many layers
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.02)
+    return model
+
+
+def make_engine(model, tier: str, pool_tokens: int, scratch: int):
+    from kvfuse.engine.api import FusionEngine
+    from kvfuse.engine.config import EngineConfig
+
+    spec_bytes = 2 * model.config.num_hidden_layers * model.config.num_key_value_heads * (
+        model.config.hidden_size // model.config.num_attention_heads) * 2
+    cfg = EngineConfig(memory_budget_bytes=pool_tokens * spec_bytes, kv_tier=tier, scratch_tokens=scratch)
+    return FusionEngine(model, _IdsTokenizer(), cfg, model_name="random", model_fingerprint="bench",
+                        tokenizer_fingerprint="ids")
+
+
+def request(engine, n_ctx: int, doc_tokens: int, q_tokens: int, vocab: int, seed: int):
+    """Registers random documents and a question as token ids; returns (question, docs)."""
+    g = torch.Generator().manual_seed(seed)
+    n_docs = max(1, (n_ctx - q_tokens - len(engine.prompts.prefix_ids)) // doc_tokens)
+    docs, ids = [], {}
+    for i in range(n_docs):
+        did = f"s{seed}-d{i}"
+        ids[did] = torch.randint(100, vocab - 100, (doc_tokens,), generator=g).tolist()
+        docs.append((did, did))
+    question = f"s{seed}-q"
+    ids[question] = torch.randint(100, vocab - 100, (q_tokens,), generator=g).tolist()
+    table = getattr(engine, "_bench_ids", {})
+    table.update(ids)
+    engine._bench_ids = table
+    engine.prompts.encode_document = lambda d: table[d.id]
+    engine.prompts.encode_tail = lambda q: table[q]
+    return question, docs
+
+
+def time_call(fn, reps: int, warmup: int) -> float:
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(reps):
+        ts.append(fn())
+    return statistics.median(ts)
+
+
+def floors(model, n: int, recomputed: int, q: int, gemm_tflops: float, hbm_gbs: float) -> dict[str, float]:
+    """Arithmetic floor (ms) of a prefill that computes `rows` tokens over an n-token context."""
+    c = model.config
+    hd = c.hidden_size // c.num_attention_heads
+    params = sum(p.numel() for p in model.parameters()) - c.vocab_size * c.hidden_size  # embedding is a gather
+    weight_bytes = 2 * params
+    kv_row = 2 * c.num_hidden_layers * c.num_key_value_heads * hd * 2
+
+    def one(rows: int, kv_read_rows: int) -> float:
+        flops = 2 * rows * (params - c.vocab_size * c.hidden_size) + 2 * c.vocab_size * c.hidden_size
+        flops += 4 * c.num_hidden_layers * c.num_attention_heads * hd * rows * (kv_read_rows / 2 if rows == n
+                                                                                   else kv_read_rows)
+        byts = weight_bytes + kv_read_rows * kv_row
+        return max(flops / (gemm_tflops * 1e12), byts / (hbm_gbs * 1e9)) * 1e3
+
+    return {"full": one(n, n), "reuse": one(q, n), "fused": one(recomputed + q, n)}
+
+
+def ceilings(device: str) -> tuple[float, float]:
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    x = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+
+    def t(fn, reps=10):
+        fn()
+        torch.cuda.synchronize()
+        s = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - s) / reps
+
+    tflops = 2 * 8192 ** 3 / t(lambda: a @ a) / 1e12
+    gbs = 2 * x.numel() / t(lambda: y.copy_(x)) / 1e9
+    del a, x, y
+    torch.cuda.empty_cache()
+    return tflops, gbs
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="llama8b")
+    ap.add_argument("--contexts", default="2048,8192,32768")
+    ap.add_argument("--doc-tokens", type=int, default=512)
+    ap.add_argument("--question-tokens", type=int, default=64)
+    ap.add_argument("--ratio", type=float, default=0.15)
+    ap.add_argument("--strategies", default="full,reuse,cacheblend,infoflow",
+                    help="kvfuse rows (full and reuse ignore the ratio)")
+    ap.add_argument("--tiers", default="pool,host", help="pool = GPU-resident, host = pinned CPU-resident")
+    ap.add_argument("--host-strategies", default="reuse,cacheblend")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out", default="ttft.csv")
+    args = ap.parse_args()
+
+    import transformers
+    from kvfuse.engine.fusion import available
+
+    dev = args.device
+    info = {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version()}
+    if dev == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(0)
+        try:
+            import triton
+            info["triton"] = triton.__version__
+        except ImportError:
+            info["triton"] = None
+        tflops, gbs = ceilings(dev)
+    else:
+        info["cpu"] = platform.processor() or platform.machine()
+        tflops, gbs = 1.0, 50.0
+    info.update(gemm_tflops=round(tflops), copy_gbs=round(gbs))
+    print(json.dumps(info), flush=True)
+    strategies = [s for s in args.strategies.split(",") if s in available()]
+    rows = []
+    contexts = [int(x) for x in args.contexts.split(",")]
+
+    def sync():
+        if dev == "cuda":
+            torch.cuda.synchronize()
+
+    for shape in args.shapes.split(","):
+        model = build(shape, dev)
+        vocab = model.config.vocab_size
+        for n in contexts:
+            ids = torch.randint(100, vocab - 100, (1, n), device=dev)
+
+            def hf_call():
+                sync()
+                t0 = time.perf_counter()
+                with torch.inference_mode():
+                    out = model(ids, logits_to_keep=1, use_cache=False)
+                int(out.logits[0, -1].argmax())
+                return time.perf_counter() - t0
+
+            hf = time_call(hf_call, args.reps, args.warmup)
+            base = {"shape": shape, "context": n}
+            rows.append({**base, "row": "HF SDPA full", "tier": "-", "ttft_ms": hf * 1e3, "vs_hf": 1.0})
+            print(f"{shape} {n:6d}  HF SDPA full                 {hf * 1e3:8.2f} ms", flush=True)
+            for tier in args.tiers.split(","):
+                engine = make_engine(model, tier, pool_tokens=n + 1024, scratch=n + 64)
+                q, docs = request(engine, n, args.doc_tokens, args.question_tokens, vocab, seed=n)
+                engine.precompute(docs)
+                names = strategies if tier == "pool" else [s for s in args.host_strategies.split(",")
+                                                             if s in available()]
+                for name in names:
+                    ratio = args.ratio
+
+                    def call(name=name, ratio=ratio):
+                        sync()
+                        r = engine.generate(q, docs, strategy=name, recompute_ratio=ratio, max_new_tokens=1)
+                        call.last = r
+                        return r.ttft_s
+
+                    t = time_call(call, args.reps, args.warmup)
+                    r = call.last
+                    fl = floors(model, r.prompt_tokens, r.recomputed_tokens, r.question_tokens, tflops, gbs)
+                    floor = fl["full"] if name == "full" else fl["reuse"] if name == "reuse" else fl["fused"]
+                    label = name if name in ("full", "reuse") else f"{name}@{ratio:.0%}"
+                    rows.append({**base, "row": f"kvfuse {label}", "tier": tier, "ttft_ms": t * 1e3,
+                                 "vs_hf": hf / t, "floor_ms": floor, "measured_over_floor": t * 1e3 / floor,
+                                 "selection_ms": r.selection_s * 1e3,
+                                 "selection_share": r.selection_s / t, "recomputed": r.recomputed_tokens,
+                                 "doc_tokens": r.doc_tokens, "hits": r.cache_hits, "misses": r.cache_misses})
+                    print(f"{shape} {n:6d}  kvfuse {label:<18} {tier:<4}  {t * 1e3:8.2f} ms  x{hf / t:6.2f} vs HF  "
+                          f"floor {floor:7.2f} ms  sel {r.selection_s * 1e3:6.2f} ms  "
+                          f"recomputed {r.recomputed_tokens}/{r.doc_tokens}", flush=True)
+                engine.close()
+                del engine
+                if dev == "cuda":
+                    torch.cuda.empty_cache()
+        del model
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+
+    keys = sorted({k for r in rows for k in r}, key=lambda k: list(rows[-1]).index(k) if k in rows[-1] else 99)
+    with open(args.out, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(rows)
+    print("\n| shape | context | row | tier | TTFT ms | HF/kvfuse | floor ms | measured/floor | selection share |")
+    print("|---|---:|---|---|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['shape']} | {r['context']} | {r['row']} | {r['tier']} | {r['ttft_ms']:.2f} | {r['vs_hf']:.2f} | "
+              f"{r.get('floor_ms', float('nan')):.2f} | {r.get('measured_over_floor', float('nan')):.2f} | "
+              f"{r.get('selection_share', float('nan')):.1%} |")
+    print(json.dumps(info))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,37 @@
+"""Plain causal attention over fresh, already-rotated keys: the full-prefill path (nothing cached).
+
+``causal_attention(q[T,Hq,D], k[T,Hkv,D], v[T,Hkv,D], scale) -> [T,Hq,D]``: query t sees keys 0..t. This is
+exactly what a full prefill computes, so it goes to PyTorch's fused SDPA (flash / memory-efficient kernels on
+CUDA) rather than to the deferred-RoPE kernel. One rule on every backend: no Triton version is needed.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["causal_attention"]
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal self-attention of a whole prompt.
+
+    Args:
+        q: [T, Hq, D] queries, RoPE applied.
+        k: [T, Hkv, D] keys, RoPE applied.
+        v: [T, Hkv, D] values.
+        scale: softmax scale.
+    Returns:
+        [T, Hq, D] in q's dtype.
+    """
+    hq, hkv = q.shape[1], k.shape[1]
+    if hq % hkv:
+        raise ValueError(f"q heads ({hq}) must be a multiple of kv heads ({hkv})")
+    qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    if q.device.type == "cuda" and hq != hkv:
+        # the fused CUDA kernels want equal head counts; repeating K/V is cheap next to the attention itself
+        kh = kh.repeat_interleave(hq // hkv, dim=1)
+        vh = vh.repeat_interleave(hq // hkv, dim=1)
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+    else:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=hq != hkv)
+    return out[0].transpose(0, 1).contiguous()
