@@ -1,0 +1,114 @@
+"""attention_scores: averaged-over-heads probabilities, triton (interpreter on CPU) vs reference vs float64."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvfuse.kernels import attention_scores, attention_scores_reference, attention_scores_triton
+
+from kernel_cases import (assert_rule, make_case, probs64, real_case, requires_cuda, rotated_keys64,
+                          rotated_keys_fp32, to_device)
+
+SHAPES = [(5, 23, 4, 2, 16), (17, 70, 4, 2, 32), (11, 41, 6, 2, 32)]
+
+
+def _args(c):
+    return (c["q"], c["q_pos"], c["k"], c["kv_rows"], c["kv_pos"], c["cos"], c["sin"], c["scale"])
+
+
+@pytest.mark.parametrize("shape,dtype", [(s, dt) for s in SHAPES for dt in (torch.float32, torch.float16)]
+                         + [(SHAPES[0], torch.bfloat16)], ids=str)
+def test_triton_and_reference_against_float64(shape, dtype, triton_device):
+    m, n, hq, hkv, d = shape
+    c = make_case(m, n, hq, hkv, d, dtype, seed=m + n)
+    truth = probs64(*_args(c)).mean(dim=0)                                 # [M, N]
+    ref = attention_scores_reference(*_args(c))
+    out = attention_scores_triton(*_args(to_device(c, triton_device)))
+    assert out.shape == (m, n) and out.dtype == torch.float32
+    # probabilities are < 1: an fp32-sized floor, whatever the input dtype
+    assert_rule(out, ref, truth, dtype, f"triton {shape} {dtype}", floor=1e-6)
+    assert_rule(ref, ref, truth, dtype, f"reference {shape} {dtype}", floor=1e-6)
+    assert torch.allclose(out.cpu().sum(dim=1), torch.ones(m), atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", ["rows_none", "no_rope", "unsorted_pos", "blind_query", "head_dim_24"])
+def test_variants(variant, triton_device):
+    d = 24 if variant == "head_dim_24" else 16
+    c = make_case(9, 33, 4, 2, d, torch.float32, seed=4, sorted_pos=variant != "unsorted_pos")
+    if variant == "rows_none":
+        c["kv_rows"] = None
+    if variant == "no_rope":
+        c["cos"] = c["sin"] = None
+    if variant == "blind_query":
+        c["q_pos"] = c["q_pos"].clone()
+        c["q_pos"][2] = int(c["kv_pos"].min()) - 1
+    truth = probs64(*_args(c)).mean(dim=0)
+    ref = attention_scores_reference(*_args(c))
+    out = attention_scores_triton(*_args(to_device(c, triton_device))).cpu()
+    assert torch.allclose(ref.double(), truth, atol=1e-6)
+    assert torch.allclose(out.double(), truth, atol=1e-6)
+    if variant == "blind_query":
+        assert torch.equal(out[2], torch.zeros_like(out[2])) and torch.equal(ref[2], torch.zeros_like(ref[2]))
+
+
+def test_future_keys_get_zero_probability_and_deferred_rope_matches_rotated(triton_device):
+    c = make_case(8, 30, 4, 2, 16, torch.float32, seed=9)
+    out = attention_scores_triton(*_args(to_device(c, triton_device))).cpu()
+    future = c["kv_pos"][None, :] > c["q_pos"][:, None]
+    assert torch.equal(out[future], torch.zeros_like(out[future]))
+    rotated = rotated_keys64(c["k"], c["kv_rows"], c["kv_pos"], c["cos"], c["sin"]).float()
+    explicit = dict(c, k=rotated, kv_rows=None, cos=None, sin=None)
+    assert torch.allclose(attention_scores_reference(*_args(explicit)), attention_scores_reference(*_args(c)),
+                          atol=1e-6)
+    assert torch.allclose(attention_scores_triton(*_args(to_device(explicit, triton_device))).cpu(), out, atol=1e-6)
+
+
+def test_public_op_dispatches_to_torch_on_cpu():
+    c = make_case(5, 23, 4, 2, 16, torch.float32)
+    assert torch.equal(attention_scores(*_args(c)), attention_scores_reference(*_args(c)))
+
+
+def test_reference_chunks_heads_without_changing_results(monkeypatch):
+    import kvfuse.kernels.attn_scores as mod
+
+    c = make_case(7, 26, 8, 4, 16, torch.float32, seed=2)
+    whole = attention_scores_reference(*_args(c))
+    monkeypatch.setattr(mod, "_REFERENCE_CHUNK_BYTES", 1)               # one kv head at a time
+    assert torch.allclose(attention_scores_reference(*_args(c)), whole, atol=1e-7)
+
+
+def _scores_fp32_by_head(q, q_pos, k, kv_rows, kv_pos, cos, sin, scale):
+    keys = rotated_keys_fp32(k, kv_rows, kv_pos, cos, sin)
+    group = q.shape[1] // k.shape[1]
+    visible = kv_pos[None, :] <= q_pos[:, None]
+    out = torch.zeros(q.shape[0], kv_pos.numel(), dtype=torch.float32, device=q.device)
+    for h in range(q.shape[1]):
+        s = (q[:, h].float() @ keys[:, h // group].T) * scale
+        out += torch.softmax(s.masked_fill(~visible, float("-inf")), -1)
+    return out / q.shape[1]
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("m", [64, 1229])
+def test_gpu_real_shapes(m):
+    c = real_case(m, 8192, "cuda")
+    args = _args(c)
+    truth = _scores_fp32_by_head(*args)
+    ref = attention_scores_reference(*args)
+    out = attention_scores_triton(*args)
+    torch.cuda.synchronize()
+    assert_rule(out, ref, truth, torch.bfloat16, f"gpu m={m}", floor=1e-6)
+
+
+@pytest.mark.parametrize("splits", [2, 3])
+def test_split_statistics_merge_to_the_same_result(splits, triton_device):
+    pytest.importorskip("triton")
+    from kvfuse.kernels._triton.attn_scores import launch
+
+    c = make_case(6, 45, 4, 2, 16, torch.float32, seed=8)
+    c["q_pos"] = c["q_pos"].clone()
+    c["q_pos"][0] = int(c["kv_pos"].min()) - 1
+    ref = attention_scores_reference(*_args(c))
+    out = launch(*_args(to_device(c, triton_device)), num_splits=splits).cpu()
+    assert torch.allclose(out, ref, atol=1e-6)
