@@ -51,6 +51,7 @@ class EngineConfig:
             GPU layer by layer; the CPU default), or "auto".
         scratch_tokens: rows of the pool reserved for one request's recomputed tokens (0: the context window,
             capped at 32768).
+        cuda_graphs: on CUDA, replay repeated prefill signatures and every decode step from CUDA graphs.
     """
 
     memory_budget_bytes: int = 4 << 30
@@ -59,6 +60,7 @@ class EngineConfig:
     prompt: PromptFormat = field(default_factory=PromptFormat)
     kv_tier: str = "auto"
     scratch_tokens: int = 0
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         if self.kv_tier not in ("auto", "pool", "host"):

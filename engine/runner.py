@@ -26,10 +26,35 @@ from ..kernels.rope import apply_rope
 from ..kernels.scatter import scatter_rows
 from .fusion.base import SelectContext, Strategy
 from .models.base import Decoder
-from .sources import make_source
+from .sources import PooledSource, make_source
 from .store.entry import DocKV
 
 __all__ = ["Segment", "DecodeState", "PrefillOutput", "Runner"]
+
+
+@dataclass
+class _Plan:
+    """Host-side facts of one prefill (what a CUDA graph of it is keyed by)."""
+
+    n: int
+    cached: list
+    doc_spans: list
+    must_host: Tensor
+    cand_host: Tensor
+    extra_capacity: int
+    want_logits: bool
+    capture: tuple | None
+
+
+class _NullClock:
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def seconds(self) -> float:
+        return 0.0
 
 
 class _Clock:
@@ -118,15 +143,20 @@ class Runner:
         decoder: the model, seen through its per-layer seam.
     """
 
-    def __init__(self, decoder: Decoder) -> None:
+    def __init__(self, decoder: Decoder, cuda_graphs: bool = True) -> None:
         self.dec = decoder
         self.spec = decoder.spec
         self._cos = self._sin = None
+        self._retired: list = []
+        self.graphs = _GraphCache(self) if cuda_graphs and decoder.device.type == "cuda" else None
+        self.decode_graphs = _DecodeGraphs(self) if self.graphs is not None else None
 
     # -- helpers ---------------------------------------------------------------------------------------
     def rope(self, n: int) -> tuple[Tensor, Tensor]:
         """cos, sin tables covering positions [0, n)."""
         if self._cos is None or self._cos.shape[0] < n:
+            if self._cos is not None:  # captured CUDA graphs point at the old tables: keep them alive
+                self._retired.append((self._cos, self._sin))
             size = max(n, 256)
             size = 1 << (size - 1).bit_length()
             self._cos, self._sin = self.dec.rope_tables(size)
@@ -164,57 +194,80 @@ class Runner:
             PrefillOutput.
         """
         dev = self.dec.device
-        ids = ids.to(dev)
         n = int(ids.numel())
-        n_layers = self.spec.n_layers
-        cos, sin = self.rope(n + extra_capacity)
-        pos_all = torch.arange(n, device=dev)
-
         # index sets are built on the host from the segment spans: no device round trip in the hot path
         must_host = torch.ones(n, dtype=torch.bool)
-        doc_spans = []
-        cached = []
+        doc_spans, cached = [], []
         for seg in segments:
             if seg.kv is not None and strategy.uses_cache:
                 must_host[seg.start:seg.end] = False
                 cached.append(seg)
                 if seg.selectable:
                     doc_spans.append((seg.start, seg.end))
+        if want_logits and not bool(must_host[-1]):
+            raise RuntimeError("the last prompt token must be computed")
         arange = torch.arange(n)
-        candidates = (torch.cat([arange[s:e] for s, e in doc_spans]) if doc_spans else arange[:0]).to(dev)
-        must_pos = arange[must_host].to(dev)
-        ctx = SelectContext(n_layers=n_layers, ratio=ratio, candidates=candidates, doc_spans=doc_spans,
-                            question=must_pos,
-                            doc_extras=[seg.kv.extras for seg in cached if seg.selectable])
+        cand_host = torch.cat([arange[s:e] for s, e in doc_spans]) if doc_spans else arange[:0]
+        plan = _Plan(n=n, cached=cached, doc_spans=doc_spans, must_host=must_host, cand_host=cand_host,
+                     extra_capacity=extra_capacity, want_logits=want_logits, capture=capture)
+        key = self._graph_key(plan, strategy, ratio)
+        if key is not None:
+            out = self.graphs.run(key, plan, ids, strategy, ratio)
+            if out is not None:
+                return out
+        self.rope(n + extra_capacity)
+        return self._device_prefill(plan, ids.to(dev), cand_host.to(dev), arange[must_host].to(dev), strategy,
+                                    ratio, self._clock())
 
-        clock = self._clock()
-        probe_layers = strategy.probe_layers(n_layers) if cached else ()
+    def _device_prefill(self, plan: _Plan, ids: Tensor, candidates: Tensor, must_pos: Tensor, strategy: Strategy,
+                        ratio: float, clock, source=None) -> PrefillOutput:
+        """Everything after the host bookkeeping: device tensors in, logits out, no host synchronisation (so a
+        CUDA graph can capture it)."""
+        n, cached = plan.n, plan.cached
+        cos, sin = self._cos, self._sin
+        ctx = SelectContext(n_layers=self.spec.n_layers, ratio=ratio, candidates=candidates,
+                            doc_spans=plan.doc_spans, question=must_pos,
+                            doc_extras=[seg.kv.extras for seg in cached if seg.selectable])
+        probe_layers = strategy.probe_layers(self.spec.n_layers) if cached else ()
         if probe_layers:
             clock.start()
             view = strategy.probe_keys(ctx)
-            keys = None if view is None else torch.unique(torch.cat([view.to(dev), must_pos]))
+            keys = None if view is None else torch.unique(torch.cat([view.to(ids.device), must_pos]))
             ctx.question_attention = self._layers(ids, cached, must_pos, must_pos[:0], cos, sin, None, strategy,
-                                                  ctx, probe_layers=probe_layers, probe_keys=keys).probes
+                                                  ctx, probe_layers=probe_layers, probe_keys=keys,
+                                                  source=source).probes
             clock.stop()
 
         clock.start()
-        chosen = (strategy.initial(ctx) if cached else candidates).to(dev)
+        chosen = (strategy.initial(ctx) if cached else candidates).to(ids.device)
         active = torch.sort(torch.cat([must_pos, chosen])).values
         clock.stop()
-        state = self._new_state(n + extra_capacity) if want_logits else None
-        run = self._layers(ids, cached, active, chosen, cos, sin, state, strategy, ctx, capture=capture,
-                           must_pos=must_pos, clock=clock)
-
+        state = self._new_state(n + plan.extra_capacity) if plan.want_logits else None
+        run = self._layers(ids, cached, active, chosen, cos, sin, state, strategy, ctx, capture=plan.capture,
+                           must_pos=must_pos, clock=clock, source=source)
         logits = None
-        if want_logits:
-            if not bool(must_host[-1]):
-                raise RuntimeError("the last prompt token must be computed")
+        if plan.want_logits:
             logits = self.dec.logits(run.h[-1:])[0].float()
             state.length = n
-        recomputed = run.active_docs
-        selection_s = clock.seconds()
-        return PrefillOutput(logits=logits, state=state, captured=run.captured, recomputed=recomputed,
-                             selection_s=selection_s)
+        return PrefillOutput(logits=logits, state=state, captured=run.captured, recomputed=run.active_docs,
+                             selection_s=clock.seconds())
+
+    def _graph_key(self, plan: _Plan, strategy: Strategy, ratio: float):
+        """The CUDA-graph signature of a request, or None when it cannot be replayed from a graph."""
+        if self.graphs is None or not plan.want_logits or plan.capture is not None:
+            return None
+        if not getattr(strategy, "graph_safe", False):
+            return None
+        pools = {id(seg.kv.pool) for seg in plan.cached}
+        if plan.cached and (len(pools) != 1 or plan.cached[0].kv.pool is None
+                            or plan.n > plan.cached[0].kv.pool.scratch_rows):
+            return None
+        try:
+            opts = tuple(sorted((k, repr(v)) for k, v in vars(strategy).items()))
+        except TypeError:
+            return None
+        spans = tuple((seg.start, seg.end, seg.selectable) for seg in plan.cached)
+        return (type(strategy).__name__, opts, float(ratio), plan.n, plan.extra_capacity, spans, tuple(pools))
 
     @dataclass
     class _Run:
@@ -226,7 +279,7 @@ class Runner:
         fresh: list  # per layer: (positions, k, v) of the rows computed at that layer (pre-RoPE)
 
     def _layers(self, ids, cached, active, active_docs, cos, sin, state, strategy, ctx, *, capture=None,
-                must_pos=None, probe_layers=(), probe_keys=None, clock=None) -> Runner._Run:
+                must_pos=None, probe_layers=(), probe_keys=None, clock=None, source=None) -> Runner._Run:
         """The layer loop over `active` rows.
 
         Cached rows are read through a source (pool rows in place, or per-layer assembled buffers); the
@@ -239,8 +292,8 @@ class Runner:
         dev = ids.device
         check = set(strategy.check_layers(spec.n_layers)) if (cached and not probe_layers) else set()
         last_layer = max(probe_layers) if probe_layers else spec.n_layers - 1
-        src = make_source([(seg.start, seg.end, seg.kv) for seg in cached], n, (spec.n_kv_heads, spec.head_dim),
-                          dec.dtype, dev)
+        src = source or make_source([(seg.start, seg.end, seg.kv) for seg in cached], n,
+                                    (spec.n_kv_heads, spec.head_dim), dec.dtype, dev)
         h = dec.embed_tokens(ids[active])
         cap_k, cap_v, fresh = [], [], []
         probes: dict[int, Tensor] = {}
@@ -248,6 +301,7 @@ class Runner:
         rows_all = src.base_rows if probe_keys is None else src.base_rows[probe_keys]
         pos_all = kv_pos if probe_keys is None else probe_keys
         plain = not cached and probe_keys is None  # a plain causal prefill: no cache read, nothing to scatter
+        per_active = rope_active = None
         for i in range(last_layer + 1):
             if plain:
                 q, k, v = dec.project(i, h)
@@ -276,14 +330,17 @@ class Runner:
                 clock.stop()
             else:
                 new_active = None
-            scratch = src.scratch_rows[active]
+            if per_active is None:  # index tensors that only change with the active set
+                scratch = src.scratch_rows[active]
+                if src.identity and probe_keys is None:
+                    rows = None  # position p is row p: no gather needed
+                else:
+                    rows = rows_all.clone()
+                    rows[active if probe_keys is None else torch.searchsorted(probe_keys, active)] = scratch
+                per_active = (scratch, rows)
+            scratch, rows = per_active
             scatter_rows(kpool, scratch, k)
             scatter_rows(vpool, scratch, v)
-            if src.identity and probe_keys is None:
-                rows = None  # position p is row p: no gather needed
-            else:
-                rows = rows_all.clone()
-                rows[active if probe_keys is None else torch.searchsorted(probe_keys, active)] = scratch
             if state is not None:
                 fresh.append((active, k, v))
             if capture is not None:
@@ -294,7 +351,10 @@ class Runner:
             if new_active is not None:
                 sel = torch.searchsorted(active, new_active)
                 q, h, active = q[sel], h[sel], new_active
-            qr = apply_rope(q, cos[active], sin[active])
+                per_active = rope_active = None
+            if rope_active is None:
+                rope_active = (cos[active], sin[active])
+            qr = apply_rope(q, *rope_active)
             if i in probe_layers:
                 from ..kernels.attn_scores import attention_scores
 
@@ -340,6 +400,8 @@ class Runner:
         dec, spec = self.dec, self.spec
         if state.pending is not None:
             self.materialize(state)
+        if self.graphs is not None and ids.numel() == 1:
+            return self.decode_graphs.step(state, ids)
         ids = ids.to(dec.device)
         t = int(ids.numel())
         p = state.length
@@ -359,3 +421,136 @@ class Runner:
             h = dec.finish(i, h, o)
         state.length = p + t
         return dec.logits(h).float()
+
+
+class _GraphCache:
+    """CUDA graphs of whole fused prefills, keyed by request signature (strategy, ratio, length, layout).
+
+    A signature is captured the second time it is seen (a one-off request never pays for a capture) and replayed
+    afterwards with the new token ids and document rows copied into the graph's static inputs. At most
+    `max_graphs` are kept (each holds its activations and decode cache). A capture that fails (an operation that
+    synchronises the host) marks the signature eager for good.
+    """
+
+    def __init__(self, runner: Runner, max_graphs: int = 4) -> None:
+        self.runner = runner
+        self.max_graphs = max_graphs
+        self.seen: dict = {}
+        self.entries: dict = {}
+        self.eager: set = set()
+
+    def run(self, key, plan: _Plan, ids: Tensor, strategy: Strategy, ratio: float) -> PrefillOutput | None:
+        if key in self.eager:
+            return None
+        entry = self.entries.get(key)
+        if entry is None:
+            self.seen[key] = self.seen.get(key, 0) + 1
+            if self.seen[key] < 2:
+                return None
+            try:
+                entry = self._capture(plan, ids, strategy, ratio)
+            except Exception:  # noqa: BLE001  (any capture failure means: run this signature eagerly)
+                torch.cuda.synchronize()
+                self.eager.add(key)
+                return None
+            if len(self.entries) >= self.max_graphs:
+                self.entries.pop(next(iter(self.entries)))
+            self.entries[key] = entry
+        else:
+            self.entries[key] = self.entries.pop(key)  # most recently used last
+        graph, static_ids, source, out, pending = entry
+        static_ids.copy_(ids, non_blocking=True)
+        if source is not None:
+            source.base_rows.copy_(_base_rows(plan, source.scratch_rows.device, source.pool), non_blocking=True)
+        graph.replay()
+        out.state.length = plan.n
+        out.state.pending = pending
+        return out
+
+    def _capture(self, plan: _Plan, ids: Tensor, strategy: Strategy, ratio: float):
+        r = self.runner
+        dev = r.dec.device
+        r.rope(plan.n + plan.extra_capacity)
+        static_ids = ids.to(dev).clone()
+        cand = plan.cand_host.to(dev)
+        must = torch.arange(plan.n)[plan.must_host].to(dev)
+        source = None
+        if plan.cached:
+            pool = plan.cached[0].kv.pool
+            scratch = torch.arange(pool.scratch_start, pool.scratch_start + plan.n, device=dev)
+            source = PooledSource.from_rows(pool, _base_rows(plan, dev, pool), scratch)
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):  # warm-up: allocator, cuBLAS workspaces, Triton compilation
+            r._device_prefill(plan, static_ids, cand, must, strategy, ratio, _NullClock(), source)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = r._device_prefill(plan, static_ids, cand, must, strategy, ratio, _NullClock(), source)
+        return graph, static_ids, source, out, out.state.pending
+
+
+def _base_rows(plan: _Plan, device, pool) -> Tensor:
+    """Pool row of every prompt position (computed positions point at their scratch rows)."""
+    base = torch.arange(pool.scratch_start, pool.scratch_start + plan.n)
+    for seg in plan.cached:
+        base[seg.start:seg.end] = torch.arange(seg.kv.offset, seg.kv.offset + (seg.end - seg.start))
+    return base.to(device)
+
+
+class _DecodeGraphs:
+    """One-token decode steps as CUDA graphs: the step attends over the state's whole capacity, masked by
+    position (the attention kernel skips key tiles past the current position), so its shapes never change and
+    one graph per decode state replays every step. The position lives in a device tensor."""
+
+    def __init__(self, runner: Runner, max_graphs: int = 4) -> None:
+        self.runner = runner
+        self.max_graphs = max_graphs
+        self.entries: dict = {}
+
+    def _body(self, state: DecodeState, tok: Tensor, pos: Tensor, kv_pos: Tensor) -> Tensor:
+        r = self.runner
+        dec, spec = r.dec, r.spec
+        c, s = r._cos.index_select(0, pos), r._sin.index_select(0, pos)
+        h = dec.embed_tokens(tok)
+        for i in range(spec.n_layers):
+            q, k, v = dec.project(i, h)
+            state.k[i].index_copy_(0, pos, apply_rope(k, c, s))
+            state.v[i].index_copy_(0, pos, v)
+            o = fused_attention(apply_rope(q, c, s), pos, state.k[i], state.v[i], None, kv_pos, None, None,
+                                spec.scale)
+            h = dec.finish(i, h, o)
+        return dec.logits(h).float()
+
+    @torch.inference_mode()
+    def step(self, state: DecodeState, ids: Tensor) -> Tensor:
+        r = self.runner
+        dev = r.dec.device
+        if state.length + 1 > state.capacity:
+            raise RuntimeError(f"decode cache full ({state.capacity} rows)")
+        key = (state.k.data_ptr(), state.capacity)
+        entry = self.entries.get(key)
+        if entry is None:
+            r.rope(state.capacity)
+            tok = torch.zeros(1, dtype=torch.long, device=dev)
+            pos = torch.zeros(1, dtype=torch.long, device=dev)
+            kv_pos = torch.arange(state.capacity, device=dev)
+            tok.copy_(ids.view(1))
+            pos.fill_(state.length)
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):  # warm-up (writes the same row the real step writes)
+                self._body(state, tok, pos, kv_pos)
+            torch.cuda.current_stream(dev).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                logits = self._body(state, tok, pos, kv_pos)
+            if len(self.entries) >= self.max_graphs:
+                self.entries.pop(next(iter(self.entries)))
+            entry = self.entries[key] = (graph, tok, pos, logits)
+        graph, tok, pos, logits = entry
+        tok.copy_(ids.view(1), non_blocking=True)
+        pos.fill_(state.length)
+        graph.replay()
+        state.length += 1
+        return logits.clone().view(1, -1)

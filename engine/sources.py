@@ -50,6 +50,13 @@ class PooledSource(_NoPrefetch):
         self.scratch_rows = scratch.to(device)
         self.base_rows = torch.where(base < 0, scratch, base).to(device)
 
+    @classmethod
+    def from_rows(cls, pool: KVPool, base_rows: Tensor, scratch_rows: Tensor) -> PooledSource:
+        """A source over rows already on the device (the static inputs of a CUDA graph)."""
+        src = cls.__new__(cls)
+        src.pool, src.base_rows, src.scratch_rows = pool, base_rows, scratch_rows
+        return src
+
     def layer(self, i: int) -> tuple[Tensor, Tensor]:
         return self.pool.k[i], self.pool.v[i]
 

@@ -82,11 +82,14 @@ class Strategy(ABC):
     Attributes:
         uses_cache: False only for `full`, which ignores every cache.
         ignores_ratio: True for strategies whose selection does not depend on the ratio (`reuse`).
+        graph_safe: True when selection depends only on the context's tensors and the prompt layout (no host
+            reads of tensor values, no per-document extras), so a CUDA graph of the prefill may replay it.
     """
 
     name: ClassVar[str] = ""
     uses_cache: ClassVar[bool] = True
     ignores_ratio: ClassVar[bool] = False
+    graph_safe: ClassVar[bool] = False  # its selection is pure tensor work on the context (CUDA-graph replayable)
 
     def probe_layers(self, n_layers: int) -> tuple[int, ...]:
         """Layers at which the question probe records attention (empty: no probe)."""

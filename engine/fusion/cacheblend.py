@@ -13,6 +13,7 @@ from .base import SelectContext, Strategy, budget_for, register, topk_positions
 @register
 class CacheBlend(Strategy):
     name = "cacheblend"
+    graph_safe = True
 
     def __init__(self, check_layer: int = 1, gradual: bool = False, n_checks: int = 3,
                  first_ratio_factor: float = 2.0) -> None:

@@ -5,6 +5,7 @@ from .base import SelectContext, Strategy, register
 @register
 class Full(Strategy):
     name = "full"
+    graph_safe = True
     uses_cache = False
     ignores_ratio = True
 

@@ -23,6 +23,7 @@ from .qattn import deep_layers, doc_index, layer_mean, resolve_layers
 @register
 class InfoFlow(Strategy):
     name = "infoflow"
+    graph_safe = True
 
     def __init__(self, layers=None, depth: float = 1 / 3, reorder: bool = False) -> None:
         """

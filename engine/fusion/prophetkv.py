@@ -15,6 +15,7 @@ from .qattn import layer_mean, resolve_layers, spread_layers
 @register
 class ProphetKV(Strategy):
     name = "prophetkv"
+    graph_safe = True
 
     def __init__(self, layers=None, n_probe: int = 6, lo: float = 0.25, hi: float = 1.0) -> None:
         """

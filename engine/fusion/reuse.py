@@ -5,4 +5,5 @@ from .base import Strategy, register
 @register
 class Reuse(Strategy):
     name = "reuse"
+    graph_safe = True
     ignores_ratio = True

@@ -15,15 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ...kernels.rmsnorm import rms_norm
+
 __all__ = ["ArchSpec", "Decoder", "rms_norm"]
-
-
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """RMSNorm exactly as transformers computes it (fp32 statistics, weight applied in the input dtype)."""
-    dtype = x.dtype
-    xf = x.to(torch.float32)
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(dtype)
 
 
 @dataclass(frozen=True)
