@@ -169,11 +169,16 @@ class Runner:
     def _clock(self) -> _Clock:
         return _Clock(self.dec.device)
 
-    def _new_state(self, capacity: int) -> DecodeState:
+    def _new_state(self, capacity: int, filled: int = 0) -> DecodeState:
+        """A decode cache of `capacity` rows; rows past `filled` are zeroed so that a step attending over the
+        whole capacity (masked by position) never multiplies a masked weight by uninitialised memory."""
         s = self.spec
         shape = (s.n_layers, capacity, s.n_kv_heads, s.head_dim)
-        return DecodeState(torch.empty(shape, dtype=self.dec.dtype, device=self.dec.device),
-                           torch.empty(shape, dtype=self.dec.dtype, device=self.dec.device), 0)
+        state = DecodeState(torch.empty(shape, dtype=self.dec.dtype, device=self.dec.device),
+                            torch.empty(shape, dtype=self.dec.dtype, device=self.dec.device), 0)
+        state.k[:, filled:].zero_()
+        state.v[:, filled:].zero_()
+        return state
 
     # -- fused prefill ---------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -242,7 +247,7 @@ class Runner:
         chosen = (strategy.initial(ctx) if cached else candidates).to(ids.device)
         active = torch.sort(torch.cat([must_pos, chosen])).values
         clock.stop()
-        state = self._new_state(n + plan.extra_capacity) if plan.want_logits else None
+        state = self._new_state(n + plan.extra_capacity, n) if plan.want_logits else None
         run = self._layers(ids, cached, active, chosen, cos, sin, state, strategy, ctx, capture=plan.capture,
                            must_pos=must_pos, clock=clock, source=source)
         logits = None

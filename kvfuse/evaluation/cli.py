@@ -1,0 +1,285 @@
+"""`kvfuse eval`: run strategies over an evaluation set against full prefill, then report.
+
+    kvfuse eval --data ../shared/data --datasets 2wikimqa,hotpotqa --limit 20 \\
+        --strategies reuse,cacheblend,epic --ratios 0.15,0.3 --out runs/qwen-dev
+    kvfuse eval --smoke          # tiny end-to-end check with SmolLM2 on the bundled examples
+
+The main CLI registers the subcommand with `add_eval_parser(subparsers)` and calls `run_eval(args)`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+__all__ = ["add_eval_parser", "run_eval", "main"]
+
+DEFAULTS: dict[str, Any] = {
+    "model": "qwen2.5-coder-0.5b",
+    "strategies": "full,reuse,cacheblend,epic",
+    "ratios": "0.15",
+    "max_new_tokens": 32,
+    "seed": 0,
+    "out": "eval_out",
+}
+SMOKE: dict[str, Any] = {
+    "model": "smollm2-135m",
+    "datasets": "2wikimqa",
+    "limit": 2,
+    "strategies": "full,reuse,cacheblend,epic",
+    "ratios": "0.15",
+    "max_new_tokens": 8,
+}
+
+
+def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Registers `eval` on an argparse subparsers object; returns its parser (defaults `func=run_eval`)."""
+    p = subparsers.add_parser(
+        "eval", help="benchmark fusion strategies against full prefill (F1, fidelity, KL, TTFT)",
+        description="Run each strategy x ratio over an evaluation set, always with full prefill as the "
+                    "reference, and write per-example records, a summary table and a Pareto plot. "
+                    "Reruns with the same --out skip what is already done.")
+    p.add_argument("--data", metavar="PATH",
+                   help="a JSONL file or a folder of them (the evaluation data, e.g. ../shared/data)")
+    p.add_argument("--datasets", metavar="A,B", help="only these values of the 'dataset' field (default: all)")
+    p.add_argument("--limit", type=int, metavar="N", help="examples per dataset, after a seeded shuffle")
+    p.add_argument("--strategies", metavar="S,T",
+                   help=f"strategies to compare; full always runs as the reference "
+                        f"(default: {DEFAULTS['strategies']})")
+    p.add_argument("--ratios", metavar="R,S",
+                   help=f"recompute ratios in (0, 1]; full and reuse ignore them (default: {DEFAULTS['ratios']})")
+    p.add_argument("--model", metavar="NAME_OR_PATH",
+                   help=f"model name, HF folder or .gguf (default: {DEFAULTS['model']})")
+    p.add_argument("--seed", type=int, help="seed of the example shuffle, generation and bootstrap (default: 0)")
+    p.add_argument("--max-new-tokens", type=int, dest="max_new_tokens", metavar="N",
+                   help=f"tokens generated per answer (default: {DEFAULTS['max_new_tokens']})")
+    p.add_argument("--out", metavar="DIR",
+                   help=f"results folder: records.jsonl, summary.csv, summary.md, pareto.png "
+                        f"(default: {DEFAULTS['out']}; --smoke: a temporary folder, removed when the smoke passes)")
+    p.add_argument("--pareto-x", choices=("fraction", "ttft"), default="fraction", dest="pareto_x",
+                   help="x axis of pareto.png: mean recompute fraction or mean TTFT (default: fraction)")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny end-to-end check (SmolLM2, 2 bundled examples, full,reuse,cacheblend,epic at 0.15, "
+                        "8 new tokens); exits non-zero when any check fails")
+    p.add_argument("--device", help="engine device (default: the engine's choice)")
+    p.add_argument("--dtype", help="engine dtype, e.g. bfloat16 or float32 (default: the engine's choice)")
+    p.add_argument("--no-progress", action="store_true", dest="no_progress", help="no progress bar")
+    p.set_defaults(func=run_eval)
+    return p
+
+
+def _split(value: str | None, what: str) -> list[str]:
+    items = [v.strip() for v in (value or "").split(",")]
+    items = [v for v in items if v]
+    if value is not None and not items:
+        raise ValueError(f"{what}: empty list")
+    return items
+
+
+def _parse_ratios(value: str) -> list[float]:
+    out = []
+    for item in _split(value, "--ratios"):
+        try:
+            r = float(item)
+        except ValueError:
+            raise ValueError(f"--ratios: {item!r} is not a number") from None
+        if not (math.isfinite(r) and 0.0 < r <= 1.0):
+            raise ValueError(f"--ratios: {item} is not in (0, 1]")
+        out.append(r)
+    return out
+
+
+def _resolve(args: argparse.Namespace) -> dict[str, Any]:
+    """Fills defaults (the smoke ones under --smoke) for options not given; validates."""
+    smoke = bool(getattr(args, "smoke", False))
+    base = {**DEFAULTS, **(SMOKE if smoke else {})}
+
+    def get(name: str) -> Any:
+        v = getattr(args, name, None)
+        return base.get(name) if v is None else v
+
+    data = getattr(args, "data", None)
+    if data is None:
+        if not smoke:
+            raise ValueError("--data is required: a JSONL file or a folder of them (e.g. ../shared/data)")
+        from .data import smoke_data_path
+        data = smoke_data_path()
+    limit = get("limit")
+    if limit is not None and limit < 0:
+        raise ValueError(f"--limit must be >= 0, got {limit}")
+    mnt = int(get("max_new_tokens"))
+    if mnt < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {mnt}")
+    out = getattr(args, "out", None)
+    temporary = out is None and smoke  # created by run_eval once the inputs are validated
+    if out is None and not smoke:
+        out = DEFAULTS["out"]
+    return {
+        "temporary_out": temporary,
+        "smoke": smoke,
+        "data": Path(data),
+        "datasets": _split(get("datasets"), "--datasets") or None,
+        "limit": limit,
+        "strategies": _split(get("strategies"), "--strategies"),
+        "ratios": _parse_ratios(get("ratios")),
+        "model": str(get("model")),
+        "seed": int(get("seed")),
+        "max_new_tokens": mnt,
+        "out": None if out is None else Path(out),
+        "device": getattr(args, "device", None),
+        "dtype": getattr(args, "dtype", None),
+        "pareto_x": getattr(args, "pareto_x", None) or "fraction",
+        "progress": not getattr(args, "no_progress", False),
+    }
+
+
+def run_eval(args: argparse.Namespace, engine_factory: Any = None) -> int:
+    """Runs the evaluation described by `args`; returns the exit code (0 ok, 1 a smoke check failed).
+
+    Args:
+        args: the parsed `eval` options.
+        engine_factory: optional zero-argument callable returning an engine (tests); default loads
+            `FusionEngine.from_pretrained(model, device=..., dtype=...)`.
+
+    Raises:
+        ValueError: bad options or data, with a one-line message.
+    """
+    from .data import load_examples
+    from .report import write_report
+    from .runner import EvalRunner, build_configs, load_engine, record_key
+
+    opt = _resolve(args)
+    examples = load_examples(opt["data"], datasets=opt["datasets"], limit=opt["limit"], seed=opt["seed"])
+    if not examples:
+        raise ValueError("no examples selected (check --datasets / --limit)")
+    configs = build_configs(opt["strategies"], opt["ratios"])
+    if engine_factory is None:
+        def engine_factory() -> Any:
+            return load_engine(opt["model"], device=opt["device"], dtype=opt["dtype"])
+
+    out: Path = opt["out"] or Path(tempfile.mkdtemp(prefix="kvfuse-eval-smoke-"))
+    out.mkdir(parents=True, exist_ok=True)
+    extra = {"device": opt["device"], "dtype": opt["dtype"]}
+    n_ds = len({e.dataset for e in examples})
+    print(f"eval: {len(examples)} examples from {n_ds} dataset(s), configs: "
+          f"{', '.join(c.label for c in configs)}; model {opt['model']}; out {out}", file=sys.stderr)
+
+    def make_runner() -> EvalRunner:
+        return EvalRunner(engine_factory, out, model=opt["model"], max_new_tokens=opt["max_new_tokens"],
+                          seed=opt["seed"], progress=opt["progress"], extra=extra)
+
+    runner = make_runner()
+    if runner.store.bad_lines:
+        print(f"warning: skipped {runner.store.bad_lines} unreadable line(s) of {runner.store.path}", file=sys.stderr)
+    stats = runner.run(examples, configs)
+    (out / "run_stats.json").write_text(json.dumps(stats.as_dict(), indent=2), encoding="utf-8")
+    print(stats.describe(), file=sys.stderr)
+
+    # example x config order: the report lists strategies in the order they were asked for (full first)
+    keys = [record_key(e.id, c.strategy, c.ratio, opt["model"], opt["max_new_tokens"]) for e in examples
+            for c in configs]
+    records = [runner.store.get(k) for k in keys if runner.store.get(k) is not None]
+    rows, md = write_report(records, out, seed=opt["seed"], pareto_x=opt["pareto_x"])
+    print(md)
+    print(f"wrote {out / 'records.jsonl'}, summary.csv, summary.md, pareto.png", file=sys.stderr)
+
+    if not opt["smoke"]:
+        return 0
+    failures = smoke_checks(out, examples, configs, records, rows, stats)
+    again = make_runner()
+    again.progress = False
+    stats2 = again.run(examples, configs)
+    if stats2.executed != 0 or stats2.skipped != stats2.total:
+        failures.append(f"resume: second call computed {stats2.executed} run(s), skipped {stats2.skipped} "
+                        f"of {stats2.total}")
+    if again.engine is not None:
+        failures.append("resume: second call loaded the engine although everything was done")
+    if failures:
+        print("SMOKE FAILED:\n  " + "\n  ".join(failures), file=sys.stderr)
+        return 1
+    print(f"SMOKE OK: {len(records)} records, {len(rows)} table rows, all metrics finite, fidelity(full) = 1, "
+          f"KL(full) ~ 0, resume skipped {stats2.skipped}/{stats2.total}", file=sys.stderr)
+    if opt["temporary_out"]:
+        import shutil
+
+        shutil.rmtree(out, ignore_errors=True)
+        print(f"(removed the temporary {out}; pass --out DIR to keep the results)", file=sys.stderr)
+    return 0
+
+
+def smoke_checks(out: Path, examples: list, configs: list, records: list[dict], rows: list, stats: Any) -> list[str]:
+    """The end-to-end assertions of `--smoke`; returns the failures (empty when all pass)."""
+    fail: list[str] = []
+    expected = len(examples) * len(configs)
+    if len(records) != expected:
+        fail.append(f"records: {len(records)} of {expected} expected")
+    for name in ("records.jsonl", "summary.csv", "summary.md", "pareto.png"):
+        f = out / name
+        if not f.exists() or f.stat().st_size == 0:
+            fail.append(f"{name} missing or empty")
+    if not rows:
+        fail.append("summary table is empty")
+
+    def finite(x: Any) -> bool:
+        try:
+            return math.isfinite(float(x))
+        except (TypeError, ValueError):
+            return False
+
+    for r in records:
+        tag = f"{r['strategy']}@{r['ratio']:g} on {r['example_id']}"
+        for k in ("score", "fidelity", "kl", "ttft_s", "recompute_fraction"):
+            if not finite(r.get(k)):
+                fail.append(f"{tag}: {k} = {r.get(k)!r} is not finite")
+        if not 0.0 <= float(r.get("recompute_fraction") or 0.0) <= 1.0 + 1e-9:
+            fail.append(f"{tag}: recompute fraction {r.get('recompute_fraction')} outside [0, 1]")
+        if r["strategy"] == "full":
+            if not r.get("token_ids"):
+                fail.append(f"{tag}: the full answer is empty (nothing to teacher-force)")
+            if r.get("fidelity") != 1.0:
+                fail.append(f"{tag}: fidelity(full) = {r.get('fidelity')} != 1.0")
+            if finite(r.get("kl")) and abs(float(r["kl"])) > 1e-4:
+                fail.append(f"{tag}: KL(full || full) = {r['kl']} is not ~0")
+        if r["strategy"] == "reuse" and finite(r.get("recompute_fraction")) and r["recompute_fraction"] > 1e-9:
+            fail.append(f"{tag}: reuse recomputed {r['recompute_fraction']:.3f} of the document tokens")
+        if finite(r.get("kl")) and float(r["kl"]) < -1e-9:
+            fail.append(f"{tag}: negative KL {r['kl']}")
+    # the self-check is stored on the full records, so it survives a resumed --out
+    checked = [r for r in records if r["strategy"] == "full" and r.get("kl_selfcheck")]
+    if not checked:
+        fail.append("no KL(full || full) self-check was computed")
+    for r in checked:
+        if not finite(r.get("kl")) or abs(float(r["kl"])) > 1e-4:
+            fail.append(f"self-check on {r['example_id']}: KL(full || full) = {r.get('kl')}")
+    for row in rows:
+        for k in ("score", "score_lo", "score_hi", "fidelity", "fidelity_lo", "fidelity_hi", "kl", "ttft_s",
+                  "recompute_fraction"):
+            if not finite(getattr(row, k)):
+                fail.append(f"table {row.dataset}/{row.strategy}@{row.ratio:g}: {k} is not finite")
+    if stats.passage_slots and stats.precompute_hits + stats.precompute_misses == 0:
+        fail.append("precompute reported neither hits nor misses")
+    return fail
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Stand-alone entry (`python -m kvfuse.evaluation ...`), the same options as `kvfuse eval`."""
+    parser = argparse.ArgumentParser(prog="kvfuse")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_eval_parser(sub)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] != "eval":
+        argv = ["eval", *argv]
+    args = parser.parse_args(argv)
+    try:
+        return run_eval(args)
+    except ValueError as e:
+        print(f"kvfuse eval: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

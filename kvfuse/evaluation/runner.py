@@ -1,0 +1,443 @@
+"""Runs strategies over examples against the full-prefill reference, one resumable record per run.
+
+For every example the runner
+1. hands the passages to `engine.precompute` (the offline step) and counts cache hits and misses;
+2. runs `full` (the reference; its answer is stored with its token ids);
+3. runs each pending (strategy, ratio) and scores it: task metric against the gold answers, fidelity (F1
+   against the full answer) and KL(full || strategy) of the next-token distributions, teacher forced over the
+   full answer's tokens.
+
+Every finished run is appended at once to `<out>/records.jsonl`, keyed by
+(example id, strategy, ratio, model, max_new_tokens); a rerun with the same folder skips what is there.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .data import Example
+from .metrics import fidelity, mean_kl, metric_name, task_score
+
+__all__ = ["Config", "RecordStore", "RunStats", "EvalRunner", "build_configs", "record_key", "load_engine",
+           "RATIO_FREE", "REFERENCE"]
+
+REFERENCE = "full"
+# Strategies whose result does not depend on the ratio: run once, with this ratio in the record.
+RATIO_FREE = {"full": 1.0, "reuse": 0.0}
+RECORDS_FILE = "records.jsonl"
+WARMUP_DOC = ("kvfuse-eval-warmup", "This short document only warms the engine up before timing.")
+
+
+@dataclass(frozen=True)
+class Config:
+    """One (strategy, recompute ratio) setting."""
+
+    strategy: str
+    ratio: float
+
+    @property
+    def label(self) -> str:
+        return self.strategy if self.strategy in RATIO_FREE else f"{self.strategy}@{self.ratio:g}"
+
+
+def _registered() -> list[str] | None:
+    """Names in the engine's strategy registry, or None when the registry cannot be imported."""
+    try:
+        from kvfuse.engine.fusion import available
+    except Exception:  # the engine reports its own import problem when it is loaded
+        return None
+    return list(available())
+
+
+def _ratio_free(strategy: str) -> float | None:
+    """The fixed ratio of a strategy that ignores it, else None (asks the registry when it is importable)."""
+    if strategy in RATIO_FREE:
+        return RATIO_FREE[strategy]
+    try:
+        from kvfuse.engine.fusion import make_strategy
+        inst = make_strategy(strategy)
+    except Exception:  # registry not importable or unknown name: the engine reports it on first use
+        return None
+    if not getattr(inst, "uses_cache", True):
+        return 1.0
+    if getattr(inst, "ignores_ratio", False):
+        return 0.0
+    return None
+
+
+def build_configs(strategies: Sequence[str], ratios: Sequence[float]) -> list[Config]:
+    """`full` first (always: it is the reference), then every strategy at every ratio.
+
+    Strategies that ignore the ratio (`full`, `reuse`) appear once, with ratio 1 / 0.
+
+    Raises:
+        ValueError: for an empty strategy name, no ratios, or a ratio outside (0, 1].
+    """
+    if not ratios:
+        raise ValueError("--ratios: give at least one ratio")
+    for r in ratios:
+        if not (isinstance(r, (int, float)) and math.isfinite(r) and 0.0 < r <= 1.0):
+            raise ValueError(f"--ratios: {r!r} is not in (0, 1]")
+    known = _registered()
+    out: list[Config] = [Config(REFERENCE, RATIO_FREE[REFERENCE])]
+    for s in strategies:
+        s = s.strip()
+        if not s:
+            raise ValueError("--strategies: empty strategy name")
+        if known is not None and s not in known:
+            raise ValueError(f"--strategies: unknown strategy {s!r}; available: {', '.join(known)}")
+        fixed = _ratio_free(s)
+        for r in ([fixed] if fixed is not None else ratios):
+            c = Config(s, round(float(r), 4))
+            if c not in out:
+                out.append(c)
+    return out
+
+
+def record_key(example_id: str, strategy: str, ratio: float, model: str, max_new_tokens: int) -> tuple:
+    """The resume key of one record."""
+    return (str(example_id), str(strategy), f"{float(ratio):.4f}", str(model), int(max_new_tokens))
+
+
+def _key_of(rec: dict[str, Any]) -> tuple:
+    return record_key(rec["example_id"], rec["strategy"], rec["ratio"], rec["model"], rec["max_new_tokens"])
+
+
+class RecordStore:
+    """The append-only `records.jsonl` of an output folder.
+
+    Lines that do not parse (a run killed mid-write) are skipped and counted in `bad_lines`.
+    """
+
+    def __init__(self, out_dir: str | Path) -> None:
+        self.out_dir = Path(out_dir)
+        self.path = self.out_dir / RECORDS_FILE
+        self.records: dict[tuple, dict[str, Any]] = {}
+        self.bad_lines = 0
+        if self.path.exists():
+            with open(self.path, encoding="utf-8") as fh:
+                for line in fh:
+                    if not line.strip():
+                        continue
+                    try:
+                        rec = json.loads(line)
+                        key = _key_of(rec)
+                    except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+                        self.bad_lines += 1
+                        continue
+                    self.records[key] = rec
+
+    def __contains__(self, key: tuple) -> bool:
+        return key in self.records
+
+    def get(self, key: tuple) -> dict[str, Any] | None:
+        return self.records.get(key)
+
+    def append(self, rec: dict[str, Any]) -> None:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        line = json.dumps(rec, ensure_ascii=False, allow_nan=True)
+        with open(self.path, "a+b") as fh:
+            fh.seek(0, os.SEEK_END)
+            if fh.tell() > 0:  # a killed run may have left a partial line without its newline
+                fh.seek(-1, os.SEEK_END)
+                if fh.read(1) != b"\n":
+                    fh.write(b"\n")
+            fh.write(line.encode("utf-8") + b"\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        self.records[_key_of(rec)] = rec
+
+    def all(self) -> list[dict[str, Any]]:
+        return list(self.records.values())
+
+
+@dataclass
+class RunStats:
+    """What one `EvalRunner.run` call did."""
+
+    total: int = 0  # examples x configs asked for
+    executed: int = 0  # runs computed now
+    skipped: int = 0  # runs found in records.jsonl
+    examples: int = 0
+    passage_slots: int = 0  # passages handed to precompute (with repeats across examples)
+    distinct_passages: int = 0  # distinct passage ids among them
+    precompute_misses: int = 0  # passages the engine computed
+    precompute_hits: int = 0  # passages served from its cache
+    precompute_tokens: int = 0
+    precompute_s: float = 0.0
+    selfcheck: list[dict[str, Any]] = field(default_factory=list)
+    too_long: list[str] = field(default_factory=list)  # examples skipped: over the context window
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def describe(self) -> str:
+        lines = [f"runs: {self.executed} computed, {self.skipped} already in records ({self.total} asked, "
+                 f"{self.examples} examples)"]
+        if self.passage_slots:
+            lines.append(f"passages: {self.passage_slots} handed to the engine, {self.distinct_passages} distinct; "
+                         f"precompute computed {self.precompute_misses}, served {self.precompute_hits} from cache "
+                         f"({self.precompute_tokens} tokens, {self.precompute_s:.1f} s)")
+        if self.too_long:
+            lines.append(f"skipped {len(self.too_long)} example(s) over the model's context window")
+        for sc in self.selfcheck:
+            lines.append(f"self-check {sc['example_id']}: KL(full || full) = {sc['kl_full_full']:.2e}, "
+                         f"greedy agreement of the teacher-forced full pass = {sc['greedy_agreement']:.3f} "
+                         f"over {sc['tokens']} tokens")
+        return "\n".join(lines)
+
+
+def load_engine(model: str, device: str | None = None, dtype: str | None = None) -> Any:
+    """`FusionEngine.from_pretrained(model, device=..., dtype=...)` (options only when given)."""
+    try:
+        from kvfuse.engine.api import FusionEngine
+    except ImportError as e:
+        raise ValueError(f"cannot import the engine (kvfuse.engine.api): {e}") from None
+    kwargs: dict[str, Any] = {}
+    if device:
+        kwargs["device"] = device
+    if dtype:
+        kwargs["dtype"] = dtype
+    return FusionEngine.from_pretrained(model, **kwargs)
+
+
+def _finite(x: Any) -> float | None:
+    try:
+        x = float(x)
+    except (TypeError, ValueError):
+        return None
+    return x if math.isfinite(x) else None
+
+
+class EvalRunner:
+    """Runs configs over examples with one engine; resumable through `RecordStore`.
+
+    Args:
+        engine_factory: builds the engine; called once, only when some run is pending.
+        out_dir: results folder (records.jsonl lives there).
+        model: the model name as asked for (part of the resume key).
+        max_new_tokens: generation budget (part of the resume key).
+        seed: passed to `generate` (decoding is greedy).
+        selfcheck_examples: on this many examples, the reference log-probs are computed twice and checked:
+            KL(full || full) must be ~0, and their argmax should reproduce the greedy answer.
+        warmup: one short throw-away generation per strategy before timing anything.
+        progress: show a tqdm bar.
+        extra: fields copied into every record (device, dtype, ...).
+    """
+
+    def __init__(self, engine_factory: Callable[[], Any], out_dir: str | Path, model: str,
+                 max_new_tokens: int = 32, seed: int = 0, selfcheck_examples: int = 2, warmup: bool = True,
+                 progress: bool = True, extra: dict[str, Any] | None = None) -> None:
+        if max_new_tokens < 1:
+            raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+        self.engine_factory = engine_factory
+        self.out_dir = Path(out_dir)
+        self.model = model
+        self.max_new_tokens = int(max_new_tokens)
+        self.seed = seed
+        self.selfcheck_examples = selfcheck_examples
+        self.warmup = warmup
+        self.progress = progress
+        self.extra = dict(extra or {})
+        self.store = RecordStore(self.out_dir)
+        self.engine: Any = None
+        self._seen_passages: set[str] = set()
+
+    # ------------------------------------------------------------------ helpers
+    def key(self, example: Example, cfg: Config) -> tuple:
+        return record_key(example.id, cfg.strategy, cfg.ratio, self.model, self.max_new_tokens)
+
+    def pending(self, examples: Iterable[Example], configs: Sequence[Config]) -> int:
+        return sum(self.key(ex, c) not in self.store for ex in examples for c in configs)
+
+    def _ensure_engine(self) -> Any:
+        if self.engine is None:
+            print(f"loading {self.model} ...", file=sys.stderr, flush=True)
+            t0 = time.perf_counter()
+            self.engine = self.engine_factory()
+            print(f"loaded in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+        return self.engine
+
+    def _warm_up(self, configs: Sequence[Config]) -> None:
+        done: set[str] = set()
+        for c in configs:
+            if c.strategy in done:
+                continue
+            done.add(c.strategy)
+            try:
+                self.engine.generate("Say OK.", [WARMUP_DOC], strategy=c.strategy, recompute_ratio=c.ratio,
+                                     max_new_tokens=2, temperature=0.0)
+            except Exception as e:  # the real call reports the error with its context
+                print(f"warm-up of {c.label} failed: {e}", file=sys.stderr)
+
+    def _generate(self, ex: Example, cfg: Config):
+        try:
+            return self.engine.generate(ex.question, ex.docs, strategy=cfg.strategy, recompute_ratio=cfg.ratio,
+                                        max_new_tokens=self.max_new_tokens, temperature=0.0, seed=self.seed)
+        except ValueError as e:
+            raise ValueError(f"{cfg.label} on {ex.id}: {e}") from None
+
+    def _logprobs(self, ex: Example, cfg: Config, target_ids: list[int]):
+        try:
+            lp = self.engine.next_token_logprobs(ex.question, ex.docs, target_ids, strategy=cfg.strategy,
+                                                 recompute_ratio=cfg.ratio)
+        except ValueError as e:
+            raise ValueError(f"{cfg.label} on {ex.id} (next_token_logprobs): {e}") from None
+        if lp.dim() != 2 or lp.shape[0] != len(target_ids):
+            raise RuntimeError(f"engine.next_token_logprobs returned shape {tuple(lp.shape)} for "
+                               f"{len(target_ids)} target tokens ({cfg.label} on {ex.id}); expected [T, V]")
+        return lp
+
+    def _record(self, ex: Example, cfg: Config, result: Any, answer_ref: str | None) -> dict[str, Any]:
+        answer = result.text
+        n_docs_tokens = getattr(result, "doc_tokens", 0) or 0
+        recomputed = getattr(result, "recomputed_tokens", 0) or 0
+        frac = getattr(result, "recompute_fraction", None)
+        if frac is None:
+            frac = recomputed / n_docs_tokens if n_docs_tokens else 0.0
+        rec: dict[str, Any] = {
+            "example_id": ex.id,
+            "dataset": ex.dataset,
+            "strategy": cfg.strategy,
+            "ratio": cfg.ratio,
+            "model": self.model,
+            "max_new_tokens": self.max_new_tokens,
+            "engine_model": getattr(self.engine, "model_name", None),
+            "seed": self.seed,
+            "metric": metric_name(ex.dataset),
+            "answer": answer,
+            "token_ids": [int(t) for t in result.token_ids],
+            "gold": list(ex.answers),
+            "score": task_score(ex.dataset, answer, ex.answers),
+            "fidelity": fidelity(answer, answer if answer_ref is None else answer_ref),
+            "kl": None,
+            "kl_tokens": 0,
+            "ttft_s": _finite(getattr(result, "ttft_s", None)),
+            "prefill_s": _finite(getattr(result, "prefill_s", None)),
+            "decode_s": _finite(getattr(result, "decode_s", None)),
+            "selection_s": _finite(getattr(result, "selection_s", None)),
+            "miss_prefill_s": _finite(getattr(result, "miss_prefill_s", None)),
+            "prompt_tokens": getattr(result, "prompt_tokens", None),
+            "doc_tokens": n_docs_tokens,
+            "recomputed_tokens": recomputed,
+            "recompute_fraction": float(frac),
+            "cache_hits": getattr(result, "cache_hits", None),
+            "cache_misses": getattr(result, "cache_misses", None),
+            "finish_reason": getattr(result, "finish_reason", None),
+            "n_passages": len(ex.passages),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        }
+        rec.update(self.extra)
+        return rec
+
+    # ------------------------------------------------------------------ main loop
+    def run(self, examples: Sequence[Example], configs: Sequence[Config]) -> RunStats:
+        """Runs every pending (example, config); returns what was done. Records land in `self.store`."""
+        if not configs or configs[0].strategy != REFERENCE:
+            raise ValueError("configs must start with the full reference (use build_configs)")
+        t_start = time.perf_counter()
+        stats = RunStats(total=len(examples) * len(configs), examples=len(examples))
+        todo = [(ex, [c for c in configs if self.key(ex, c) not in self.store]) for ex in examples]
+        stats.skipped = stats.total - sum(len(p) for _, p in todo)
+        if stats.skipped == stats.total:
+            stats.seconds = time.perf_counter() - t_start
+            return stats
+
+        self._ensure_engine()
+        if self.warmup:
+            self._warm_up(configs)
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=stats.total, initial=stats.skipped, unit="run", desc="eval", file=sys.stderr,
+                   disable=not self.progress, dynamic_ncols=True)
+        selfchecks_left = self.selfcheck_examples
+        try:
+            for ex, pend in todo:
+                if not pend:
+                    continue
+                if self._too_long(ex):
+                    stats.too_long.append(ex.id)
+                    bar.update(len(pend))
+                    continue
+                self._precompute(ex, stats)
+                ref_cfg = configs[0]
+                ref_key = self.key(ex, ref_cfg)
+                ref_rec = self.store.get(ref_key)
+                new_ref: dict[str, Any] | None = None
+                if ref_rec is None:
+                    bar.set_postfix_str(f"{ex.id[:24]} {ref_cfg.label}", refresh=False)
+                    new_ref = self._record(ex, ref_cfg, self._generate(ex, ref_cfg), None)
+                    new_ref["kl"], new_ref["kl_tokens"] = 0.0, len(new_ref["token_ids"])
+                    ref_rec = new_ref
+                target_ids = list(ref_rec["token_ids"])
+                others = [c for c in pend if c.strategy != REFERENCE]
+                do_check = new_ref is not None and selfchecks_left > 0 and len(target_ids) > 0
+                ref_lp = None
+                if target_ids and (others or do_check):
+                    ref_lp = self._logprobs(ex, ref_cfg, target_ids)
+                if do_check:
+                    selfchecks_left -= 1
+                    again = self._logprobs(ex, ref_cfg, target_ids)
+                    kl_ff = mean_kl(ref_lp, again)
+                    agree = float((ref_lp.argmax(dim=-1).cpu() == _as_long(target_ids)).float().mean())
+                    stats.selfcheck.append({"example_id": ex.id, "kl_full_full": kl_ff, "greedy_agreement": agree,
+                                            "tokens": len(target_ids)})
+                    new_ref.update(kl=kl_ff, kl_selfcheck=True, greedy_agreement=agree)
+                if new_ref is not None:
+                    self.store.append(new_ref)
+                    stats.executed += 1
+                    bar.update(1)
+                for cfg in others:
+                    bar.set_postfix_str(f"{ex.id[:24]} {cfg.label}", refresh=False)
+                    rec = self._record(ex, cfg, self._generate(ex, cfg), ref_rec["answer"])
+                    if ref_lp is not None:
+                        rec["kl"] = mean_kl(ref_lp, self._logprobs(ex, cfg, target_ids))
+                        rec["kl_tokens"] = len(target_ids)
+                    self.store.append(rec)
+                    stats.executed += 1
+                    bar.update(1)
+        finally:
+            bar.close()
+            stats.seconds = time.perf_counter() - t_start
+        return stats
+
+    def _too_long(self, ex: Example) -> bool:
+        """True when prompt + answer budget exceeds the model's context window (the example is skipped)."""
+        window = getattr(self.engine, "context_window", None)
+        layout = getattr(self.engine, "layout", None)
+        if not window or layout is None:
+            return False
+        n = int(getattr(layout(ex.question, ex.docs), "n"))
+        if n + self.max_new_tokens <= window:
+            return False
+        print(f"skipping {ex.id}: {n} prompt tokens + {self.max_new_tokens} new tokens exceed the context window "
+              f"of {window}", file=sys.stderr)
+        return True
+
+    def _precompute(self, ex: Example, stats: RunStats) -> None:
+        docs = ex.docs
+        stats.passage_slots += len(docs)
+        self._seen_passages.update(pid for pid, _ in docs)
+        stats.distinct_passages = len(self._seen_passages)
+        try:
+            rep = self.engine.precompute(docs)
+        except ValueError as e:
+            raise ValueError(f"precompute on {ex.id}: {e}") from None
+        stats.precompute_hits += int(getattr(rep, "hits", 0) or 0)
+        stats.precompute_misses += int(getattr(rep, "misses", 0) or 0)
+        stats.precompute_tokens += int(getattr(rep, "tokens", 0) or 0)
+        stats.precompute_s += float(getattr(rep, "seconds", 0.0) or 0.0)
+
+
+def _as_long(ids: list[int]):
+    import torch
+
+    return torch.tensor(ids, dtype=torch.long)

@@ -1,0 +1,102 @@
+import argparse
+import json
+
+import pytest
+from fake_engine import FakeEngine
+
+from kvfuse.evaluation import add_eval_parser, run_eval
+from kvfuse.evaluation.cli import main
+
+
+def parse(*argv):
+    parser = argparse.ArgumentParser(prog="kvfuse")
+    sub = parser.add_subparsers(dest="command")
+    add_eval_parser(sub)
+    return parser.parse_args(["eval", *argv])
+
+
+def test_parser_registers_eval_with_run_eval():
+    args = parse("--data", "x.jsonl", "--ratios", "0.15,0.3", "--limit", "3")
+    assert args.func is run_eval and args.ratios == "0.15,0.3" and args.limit == 3
+    assert args.smoke is False and args.max_new_tokens is None
+
+
+def test_run_eval_end_to_end_with_fake_engine(tmp_path, capsys):
+    from kvfuse.evaluation.data import smoke_data_path
+
+    args = parse("--data", str(smoke_data_path()), "--strategies", "reuse,cacheblend", "--ratios", "0.15,0.3",
+                 "--out", str(tmp_path), "--no-progress", "--max-new-tokens", "4")
+    assert run_eval(args, engine_factory=FakeEngine) == 0
+    out = capsys.readouterr()
+    assert "| 2wikimqa | cacheblend | 0.3 | 3 |" in out.out
+    assert "served" in out.err
+    for name in ("records.jsonl", "summary.csv", "summary.md", "pareto.png", "run_stats.json"):
+        assert (tmp_path / name).stat().st_size > 0
+    recs = [json.loads(l) for l in (tmp_path / "records.jsonl").read_text().splitlines()]
+    assert len(recs) == 3 * 4 and all(r["max_new_tokens"] == 4 and r["model"] == "qwen2.5-coder-0.5b" for r in recs)
+    # the report covers the current selection only
+    args = parse("--data", str(smoke_data_path()), "--strategies", "reuse", "--limit", "1", "--out", str(tmp_path),
+                 "--no-progress", "--max-new-tokens", "4")
+    assert run_eval(args, engine_factory=lambda: pytest.fail("nothing should run")) == 0
+    md = (tmp_path / "summary.md").read_text()
+    assert md.count("\n") == 2 + 2 and "cacheblend" not in md
+
+
+def test_smoke_mode_bookkeeping_with_fake_engine(tmp_path, capsys):
+    # the real proof is test_eval_smoke.py; this checks the smoke assertions themselves
+    assert run_eval(parse("--smoke", "--out", str(tmp_path), "--no-progress"), engine_factory=FakeEngine) == 0
+    err = capsys.readouterr().err
+    assert "SMOKE OK" in err and "resume skipped 8/8" in err
+
+
+def test_smoke_mode_reports_failures(tmp_path, capsys):
+    class Broken(FakeEngine):
+        def generate(self, *a, **kw):
+            r = super().generate(*a, **kw)
+            r.ttft_s = float("nan")
+            return r
+
+    assert run_eval(parse("--smoke", "--out", str(tmp_path), "--no-progress"), engine_factory=Broken) == 1
+    assert "ttft_s = None is not finite" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    ((), "--data is required"),
+    (("--data", "/nonexistent/x.jsonl"), "no such file"),
+    (("--smoke", "--ratios", "0"), r"not in \(0, 1\]"),
+    (("--smoke", "--ratios", "abc"), "not a number"),
+    (("--smoke", "--ratios", ","), "empty list"),
+    (("--smoke", "--limit", "-1"), "--limit"),
+    (("--smoke", "--max-new-tokens", "0"), "--max-new-tokens"),
+    (("--smoke", "--datasets", "nope"), "unknown dataset"),
+    (("--smoke", "--strategies", "full,nosuch"), "unknown strategy"),
+])
+def test_bad_input_is_one_value_error(tmp_path, argv, message):
+    with pytest.raises(ValueError, match=message) as ei:
+        run_eval(parse(*argv, "--out", str(tmp_path)), engine_factory=FakeEngine)
+    assert "\n" not in str(ei.value)
+
+
+def test_standalone_main_prints_one_line(tmp_path, capsys):
+    assert main(["--data", str(tmp_path / "none.jsonl"), "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("kvfuse eval: error: --data") and "no such file" in err[-1]
+
+
+def test_smoke_without_out_cleans_its_temporary_folder(capsys):
+    assert run_eval(parse("--smoke", "--no-progress"), engine_factory=FakeEngine) == 0
+    err = capsys.readouterr().err
+    folder = err.split("removed the temporary ")[1].split(";")[0]
+    import os
+
+    assert not os.path.exists(folder)
+
+
+def test_bad_smoke_input_leaves_no_temporary_folder(tmp_path, monkeypatch):
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    for argv in (("--smoke", "--ratios", "2"), ("--smoke", "--strategies", "nosuch"), ("--smoke", "--datasets", "x")):
+        with pytest.raises(ValueError):
+            run_eval(parse(*argv), engine_factory=FakeEngine)
+    assert list(tmp_path.iterdir()) == []

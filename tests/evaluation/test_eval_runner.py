@@ -1,0 +1,134 @@
+import json
+
+import pytest
+from fake_engine import ANSWERS, FakeEngine
+
+from kvfuse.evaluation.data import read_jsonl, smoke_data_path
+from kvfuse.evaluation.runner import Config, EvalRunner, RecordStore, build_configs, record_key
+
+
+@pytest.fixture
+def examples():
+    return read_jsonl(smoke_data_path())
+
+
+class Factory:
+    def __init__(self):
+        self.engines = []
+
+    def __call__(self):
+        e = FakeEngine()
+        self.engines.append(e)
+        return e
+
+
+def _runner(out, factory, **kw):
+    kw.setdefault("progress", False)
+    return EvalRunner(factory, out, model="fake", max_new_tokens=kw.pop("max_new_tokens", 8), **kw)
+
+
+def test_build_configs():
+    cfg = build_configs(["reuse", "cacheblend", "epic", "full"], [0.15, 0.3])
+    assert cfg == [Config("full", 1.0), Config("reuse", 0.0), Config("cacheblend", 0.15), Config("cacheblend", 0.3),
+                   Config("epic", 0.15), Config("epic", 0.3)]
+    assert build_configs(["cacheblend"], [0.15])[0] == Config("full", 1.0)  # full always runs, first
+    assert build_configs(["cacheblend", "cacheblend"], [0.15, 0.15]) == [Config("full", 1.0),
+                                                                          Config("cacheblend", 0.15)]
+    with pytest.raises(ValueError, match="unknown strategy 'nosuch'; available: .*cacheblend"):
+        build_configs(["nosuch"], [0.15])
+    for bad in ([0.0], [1.5], [float("nan")], []):
+        with pytest.raises(ValueError, match="ratio"):
+            build_configs(["cacheblend"], bad)
+
+
+def test_run_records_metrics_and_reuse_counts(tmp_path, examples):
+    factory = Factory()
+    configs = build_configs(["reuse", "cacheblend", "epic"], [0.15, 0.3])
+    runner = _runner(tmp_path, factory, warmup=False)
+    stats = runner.run(examples, configs)
+    assert len(factory.engines) == 1
+    assert stats.executed == stats.total == len(examples) * len(configs) and stats.skipped == 0
+    recs = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
+    assert len(recs) == stats.total
+    # per example, full comes first
+    assert recs[0]["strategy"] == "full" and recs[len(configs)]["strategy"] == "full"
+    by = {(r["example_id"], r["strategy"], r["ratio"]): r for r in recs}
+    ex = examples[0]
+    full = by[(ex.id, "full", 1.0)]
+    assert full["fidelity"] == 1.0 and full["kl"] == pytest.approx(0.0, abs=1e-12)
+    assert full["kl_selfcheck"] is True and full["greedy_agreement"] == 1.0
+    assert full["answer"] == ANSWERS["full"] and full["token_ids"]
+    reuse = by[(ex.id, "reuse", 0.0)]
+    assert reuse["fidelity"] == pytest.approx(0.8)  # "alpha beta" vs "alpha beta gamma"
+    assert reuse["recompute_fraction"] == 0.0 and reuse["kl"] > 0
+    cb15, cb30 = by[(ex.id, "cacheblend", 0.15)], by[(ex.id, "cacheblend", 0.3)]
+    assert cb15["fidelity"] == 1.0 and cb15["recompute_fraction"] == pytest.approx(0.15)
+    assert cb15["kl"] > cb30["kl"] > 0  # the fake's noise shrinks with the ratio
+    assert by[(ex.id, "epic", 0.15)]["fidelity"] == 0.0
+    assert all(r["metric"] == "f1" and 0 <= r["score"] <= 1 for r in recs)
+    assert recs[0]["gold"] == list(ex.answers)
+    # KL is teacher forced over the full answer's tokens
+    eng = factory.engines[0]
+    assert all(r["kl_tokens"] == len(full["token_ids"]) for r in recs if r["example_id"] == ex.id)
+    # self-check on the first two examples only
+    assert len(stats.selfcheck) == 2
+    assert "kl_selfcheck" not in by[(examples[2].id, "full", 1.0)]
+    # every passage precomputed; shared ones served from the cache
+    slots = sum(len(e.passages) for e in examples)
+    distinct = len({pid for e in examples for pid, _ in e.docs})
+    assert stats.passage_slots == slots and stats.distinct_passages == distinct
+    assert stats.precompute_misses == distinct and stats.precompute_hits == slots - distinct > 0
+    assert sum(1 for c in eng.calls if c[0] == "generate" and c[2] == "full") == len(examples)
+    assert "served" in stats.describe()
+
+
+def test_resume_skips_done_and_never_loads_engine(tmp_path, examples):
+    configs = build_configs(["reuse", "cacheblend"], [0.15])
+    _runner(tmp_path, Factory(), warmup=False).run(examples, configs)
+    factory = Factory()
+    stats = _runner(tmp_path, factory).run(examples, configs)
+    assert stats.executed == 0 and stats.skipped == stats.total
+    assert factory.engines == []
+    # another token budget is another key: everything runs again
+    stats = _runner(tmp_path, factory, max_new_tokens=4, warmup=False).run(examples, configs)
+    assert stats.executed == stats.total
+
+
+def test_partial_resume_uses_stored_full_answer_and_survives_a_torn_line(tmp_path, examples):
+    configs = build_configs(["reuse", "cacheblend"], [0.15])
+    _runner(tmp_path, Factory(), warmup=False).run(examples, configs)
+    path = tmp_path / "records.jsonl"
+    lines = path.read_text().splitlines()
+    kept = [l for l in lines if json.loads(l)["strategy"] == "full"]
+    path.write_text("\n".join(kept) + "\n" + lines[1][: len(lines[1]) // 2])  # killed mid-write
+    assert RecordStore(tmp_path).bad_lines == 1
+    factory = Factory()
+    stats = _runner(tmp_path, factory, warmup=False).run(examples, configs)
+    assert stats.executed == len(examples) * 2 and stats.skipped == len(examples)
+    eng = factory.engines[0]
+    assert not any(c[0] == "generate" and c[2] == "full" for c in eng.calls)  # full answer read back
+    assert any(c[0] == "logprobs" and c[2] == "full" for c in eng.calls)  # reference re-derived for KL
+    store = RecordStore(tmp_path)
+    assert store.bad_lines == 1
+    for ex in examples:
+        for c in configs:
+            rec = store.get(record_key(ex.id, c.strategy, c.ratio, "fake", 8))
+            assert rec is not None and rec["kl"] is not None
+    # the appended records start on a fresh line
+    for line in path.read_text().splitlines()[len(kept) + 1:]:
+        json.loads(line)
+
+
+def test_engine_errors_name_the_config(tmp_path, examples):
+    runner = _runner(tmp_path, Factory(), warmup=False)
+    with pytest.raises(ValueError, match="nosuch@0.15 on 2wikimqa-.*unknown strategy"):
+        runner.run(examples[:1], [Config("full", 1.0), Config("nosuch", 0.15)])
+    # the full reference written before the failure is kept
+    assert RecordStore(tmp_path).get(record_key(examples[0].id, "full", 1.0, "fake", 8)) is not None
+
+
+def test_warmup_runs_each_strategy_once_before_timing(tmp_path, examples):
+    factory = Factory()
+    _runner(tmp_path, factory).run(examples[:1], build_configs(["reuse", "cacheblend"], [0.15, 0.3]))
+    calls = [c for c in factory.engines[0].calls if c[0] == "generate"]
+    assert [c[2] for c in calls[:3]] == ["full", "reuse", "cacheblend"] and calls[0][1] == "Say OK."
