@@ -26,7 +26,7 @@ from ..kernels.rope import apply_rope
 from ..kernels.scatter import scatter_rows
 from .fusion.base import SelectContext, Strategy
 from .models.base import Decoder
-from .sources import PooledSource, make_source
+from .sources import PooledSource, make_source, pool_rows
 from .store.entry import DocKV
 
 __all__ = ["Segment", "DecodeState", "PrefillOutput", "Runner"]
@@ -466,7 +466,7 @@ class _GraphCache:
         graph, static_ids, source, out, pending = entry
         static_ids.copy_(ids, non_blocking=True)
         if source is not None:
-            source.base_rows.copy_(_base_rows(plan, source.scratch_rows.device, source.pool), non_blocking=True)
+            source.base_rows.copy_(_plan_rows(plan, source.pool).to(source.scratch_rows.device), non_blocking=True)
         graph.replay()
         out.state.length = plan.n
         out.state.pending = pending
@@ -483,7 +483,7 @@ class _GraphCache:
         if plan.cached:
             pool = plan.cached[0].kv.pool
             scratch = torch.arange(pool.scratch_start, pool.scratch_start + plan.n, device=dev)
-            source = PooledSource.from_rows(pool, _base_rows(plan, dev, pool), scratch)
+            source = PooledSource.from_rows(pool, _plan_rows(plan, pool).to(dev), scratch)
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):  # warm-up: allocator, cuBLAS workspaces, Triton compilation
@@ -494,13 +494,6 @@ class _GraphCache:
             out = r._device_prefill(plan, static_ids, cand, must, strategy, ratio, _NullClock(), source)
         return graph, static_ids, source, out, out.state.pending
 
-
-def _base_rows(plan: _Plan, device, pool) -> Tensor:
-    """Pool row of every prompt position (computed positions point at their scratch rows)."""
-    base = torch.arange(pool.scratch_start, pool.scratch_start + plan.n)
-    for seg in plan.cached:
-        base[seg.start:seg.end] = torch.arange(seg.kv.offset, seg.kv.offset + (seg.end - seg.start))
-    return base.to(device)
 
 
 class _DecodeGraphs:
@@ -559,3 +552,7 @@ class _DecodeGraphs:
         graph.replay()
         state.length += 1
         return logits.clone().view(1, -1)
+
+
+def _plan_rows(plan: _Plan, pool) -> Tensor:
+    return pool_rows([(seg.start, seg.end, seg.kv) for seg in plan.cached], plan.n, pool)

@@ -18,7 +18,16 @@ from torch import Tensor
 from .store.entry import DocKV
 from .store.pool import KVPool
 
-__all__ = ["PooledSource", "AssembledSource", "make_source"]
+__all__ = ["PooledSource", "AssembledSource", "make_source", "pool_rows"]
+
+
+def pool_rows(cached, n: int, pool: KVPool) -> Tensor:
+    """Pool row of every prompt position: cached spans [(start, end, DocKV)] read their document's rows, every
+    other (computed) position its own scratch row. Built on the host."""
+    base = torch.arange(pool.scratch_start, pool.scratch_start + n)
+    for start, end, kv in cached:
+        base[start:end] = torch.arange(kv.offset, kv.offset + (end - start))
+    return base
 
 
 class _NoPrefetch:
@@ -27,8 +36,6 @@ class _NoPrefetch:
 
 
 class PooledSource(_NoPrefetch):
-    identity = False  # prompt position p is not pool row p
-
     """Zero-copy view of cached segments resident in one KVPool.
 
     Args:
@@ -37,18 +44,15 @@ class PooledSource(_NoPrefetch):
         n: prompt length.
         device: compute device.
     """
+    identity = False  # prompt position p is not pool row p
 
     def __init__(self, pool: KVPool, segments, n: int, device) -> None:
         self.pool = pool
         if n > pool.scratch_rows:
             raise RuntimeError(f"prompt of {n} tokens exceeds the pool's scratch region ({pool.scratch_rows})")
-        base = torch.full((n,), -1, dtype=torch.long)  # computed rows are always active: they use scratch
-        for start, end, kv in segments:
-            if kv is not None:
-                base[start:end] = torch.arange(kv.offset, kv.offset + (end - start))
         scratch = torch.arange(pool.scratch_start, pool.scratch_start + n)
         self.scratch_rows = scratch.to(device)
-        self.base_rows = torch.where(base < 0, scratch, base).to(device)
+        self.base_rows = pool_rows([(s, e, kv) for s, e, kv in segments if kv is not None], n, pool).to(device)
 
     @classmethod
     def from_rows(cls, pool: KVPool, base_rows: Tensor, scratch_rows: Tensor) -> PooledSource:
@@ -69,8 +73,6 @@ class PooledSource(_NoPrefetch):
 
 
 class AssembledSource:
-    identity = True  # prompt position p is buffer row p
-
     """Per-layer private buffers assembled from standalone segment tensors.
 
     Args:
@@ -78,6 +80,7 @@ class AssembledSource:
         n: prompt length.
         shape: (n_kv_heads, head_dim); dtype/device of the compute.
     """
+    identity = True  # prompt position p is buffer row p
 
     def __init__(self, segments, n: int, shape: tuple[int, int], dtype: torch.dtype, device) -> None:
         self.segments = [(s, e, kv) for s, e, kv in segments if kv is not None]
