@@ -73,13 +73,14 @@ def build(shape: str, device: str):
     return model
 
 
-def make_engine(model, tier: str, pool_tokens: int, scratch: int):
+def make_engine(model, tier: str, pool_tokens: int, scratch: int, cuda_graphs: bool = True):
     from kvfuse.engine.api import FusionEngine
     from kvfuse.engine.config import EngineConfig
 
     spec_bytes = 2 * model.config.num_hidden_layers * model.config.num_key_value_heads * (
         model.config.hidden_size // model.config.num_attention_heads) * 2
-    cfg = EngineConfig(memory_budget_bytes=pool_tokens * spec_bytes, kv_tier=tier, scratch_tokens=scratch)
+    cfg = EngineConfig(memory_budget_bytes=pool_tokens * spec_bytes, kv_tier=tier, scratch_tokens=scratch,
+                       cuda_graphs=cuda_graphs)
     return FusionEngine(model, _IdsTokenizer(), cfg, model_name="random", model_fingerprint="bench",
                         tokenizer_fingerprint="ids")
 
@@ -166,6 +167,7 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default="ttft.csv")
+    ap.add_argument("--cuda-graphs", type=int, default=1, help="1: repeated prefills replay CUDA graphs")
     args = ap.parse_args()
 
     import transformers
@@ -184,7 +186,7 @@ def main() -> int:
     else:
         info["cpu"] = platform.processor() or platform.machine()
         tflops, gbs = 1.0, 50.0
-    info.update(gemm_tflops=round(tflops), copy_gbs=round(gbs))
+    info.update(gemm_tflops=round(tflops), copy_gbs=round(gbs), cuda_graphs=bool(args.cuda_graphs))
     print(json.dumps(info), flush=True)
     strategies = [s for s in args.strategies.split(",") if s in available()]
     rows = []
@@ -213,7 +215,8 @@ def main() -> int:
             rows.append({**base, "row": "HF SDPA full", "tier": "-", "ttft_ms": hf * 1e3, "vs_hf": 1.0})
             print(f"{shape} {n:6d}  HF SDPA full                 {hf * 1e3:8.2f} ms", flush=True)
             for tier in args.tiers.split(","):
-                engine = make_engine(model, tier, pool_tokens=n + 1024, scratch=n + 64)
+                engine = make_engine(model, tier, pool_tokens=n + 1024, scratch=n + 64,
+                                     cuda_graphs=bool(args.cuda_graphs))
                 q, docs = request(engine, n, args.doc_tokens, args.question_tokens, vocab, seed=n)
                 engine.precompute(docs)
                 names = strategies if tier == "pool" else [s for s in args.host_strategies.split(",")

@@ -463,7 +463,7 @@ class _GraphCache:
             self.entries[key] = entry
         else:
             self.entries[key] = self.entries.pop(key)  # most recently used last
-        graph, static_ids, source, out, pending = entry
+        graph, static_ids, source, out, pending, _ = entry
         static_ids.copy_(ids, non_blocking=True)
         if source is not None:
             source.base_rows.copy_(_plan_rows(plan, source.pool).to(source.scratch_rows.device), non_blocking=True)
@@ -492,7 +492,8 @@ class _GraphCache:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = r._device_prefill(plan, static_ids, cand, must, strategy, ratio, _NullClock(), source)
-        return graph, static_ids, source, out, out.state.pending
+        # every tensor the graph reads must outlive it: the candidate and question index sets are kept too
+        return graph, static_ids, source, out, out.state.pending, (cand, must)
 
 
 
@@ -545,8 +546,8 @@ class _DecodeGraphs:
                 logits = self._body(state, tok, pos, kv_pos)
             if len(self.entries) >= self.max_graphs:
                 self.entries.pop(next(iter(self.entries)))
-            entry = self.entries[key] = (graph, tok, pos, logits)
-        graph, tok, pos, logits = entry
+            entry = self.entries[key] = (graph, tok, pos, logits, kv_pos)  # inputs kept alive with the graph
+        graph, tok, pos, logits, _ = entry
         tok.copy_(ids.view(1), non_blocking=True)
         pos.fill_(state.length)
         graph.replay()
