@@ -3,21 +3,23 @@
 Shapes: Llama-3.1-8B attention (Hq 32, Hkv 8, head_dim 128, bf16); N keys in {2k, 8k, 32k} gathered from a pool in
 512-token documents placed in shuffled order (as fused cached documents are); M = 64 question rows (the last 64
 positions) and M = 15% of N recomputed rows (sorted, the 64 question rows included). Timings are medians of
-``triton.testing.do_bench``; the attention is also compared with SDPA over keys rotated and gathered beforehand
+``triton.testing.do_bench`` (the triton rows also by CUDA-graph replay: GPU time without launch overhead, the
+``graph_ms`` column); the attention is also compared with SDPA over keys rotated and gathered beforehand
 (contiguous), the ideal the deferred-RoPE kernel competes with, and with rotate-then-SDPA (what an engine without
 deferred RoPE does per call).
 
 Usage:
-    python benchmarks/kernels_gpu.py --out kernels_gpu.csv [--n 2048 8192 32768] [--sweep]
+    python benchmarks/kernels_gpu.py --out kernels_gpu.csv [--n 2048 8192 32768] [--m question recompute]
+        [--ops attention scores elementwise] [--sweep]
 
-`--sweep` also times a grid of block sizes / warps / stages / key splits for the attention kernel and reports
-the best one per shape. Exits with status 1 if any correctness check fails.
+`--sweep` also times a grid of block sizes / warps / stages / key splits / up-front RoPE for the attention and
+scores kernels and reports the best one per shape. The run ends with a compact summary table (one line per op
+and shape). Exits with status 1 if any correctness check fails.
 """
 from __future__ import annotations
 
 import argparse
 import csv
-import itertools
 import math
 import platform
 import sys
@@ -120,15 +122,37 @@ def bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
+def bench_graph(fn) -> float | None:
+    """Median ms of `fn` replayed as a CUDA graph: GPU time without the Python / launch overhead that `bench`
+    includes (at small shapes the two differ by the launch cost). None if `fn` cannot be captured."""
+    import triton.testing
+
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return triton.testing.do_bench(graph.replay, warmup=25, rep=100, return_mode="median")
+    except Exception as exc:  # capture is best effort: report and go on
+        print(f"  graph capture failed: {type(exc).__name__}: {exc}", flush=True)
+        return None
+
+
 class Results:
     def __init__(self, device_name: str):
         self.rows: list[dict] = []
         self.failures: list[str] = []
         self.device_name = device_name
 
-    def add(self, op, n, m, impl, ms, torch_ms=None, err=None, ref_err=None, ok=None, config=""):
+    def add(self, op, n, m, impl, ms, torch_ms=None, err=None, ref_err=None, ok=None, config="", graph_ms=None):
         self.rows.append(dict(
             op=op, n=n, m=m, impl=impl, config=config, median_ms=round(ms, 4) if ms is not None else "",
+            graph_ms=round(graph_ms, 4) if graph_ms is not None else "",
             speedup_vs_torch=round(torch_ms / ms, 2) if ms and torch_ms else "",
             max_abs_err="" if err is None else f"{err:.3g}",
             ref_max_abs_err="" if ref_err is None else f"{ref_err:.3g}",
@@ -138,6 +162,31 @@ class Results:
         row = self.rows[-1]
         print(f"{op:<17} {n:>6} {m:>5}  {impl:<22} {row['median_ms']!s:>9} ms  x{row['speedup_vs_torch']!s:<6} "
               f"err {row['max_abs_err']:<9} ref {row['ref_max_abs_err']:<9} {row['check']:<5} {config}", flush=True)
+
+    def summary(self) -> str:
+        """One line per (op, N, M): the times side by side, the triton error against the reference's, the check."""
+        groups: dict[tuple, dict] = {}
+        for row in self.rows:
+            groups.setdefault((row["op"], row["n"], row["m"]), {})[row["impl"]] = row
+        cols = [("torch_reference", "torch"), ("triton", "triton"), ("triton@graph", "tri-graph"),
+                ("triton_best_of_sweep", "best"),
+                ("sdpa_mask_prerotated", "sdpa+mask"), ("sdpa_flash_nomask_floor", "flash-floor"),
+                ("rotate_then_sdpa", "rot+sdpa")]
+        head = f"{'op':<17} {'N':>6} {'M':>5} " + " ".join(f"{label:>11}" for _, label in cols)
+        lines = [head + f"  {'x torch':>7}  {'err':>9} {'ref err':>9}  check  config"]
+        for (op, n, m), impls in groups.items():
+            tri = impls.get("triton", {})
+            if tri.get("graph_ms", "") != "":
+                impls = dict(impls, **{"triton@graph": dict(median_ms=tri["graph_ms"])})
+            times = " ".join(f"{impls[key]['median_ms'] if key in impls else '-':>11}" for key, _ in cols)
+            lines.append(f"{op:<17} {n:>6} {m:>5} {times}  {tri.get('speedup_vs_torch', ''):>7}  "
+                         f"{tri.get('max_abs_err', '') or '-':>9} {tri.get('ref_max_abs_err', '') or '-':>9}  "
+                         f"{tri.get('check', '') or '-':<5}  {tri.get('config', '')}")
+        best = [f"{op} n={n} m={m}: {impls['triton_best_of_sweep']['config']}"
+                for (op, n, m), impls in groups.items() if "triton_best_of_sweep" in impls]
+        if best:
+            lines.append("# best sweep configs: " + "; ".join(best))
+        return "\n".join(lines)
 
     def write(self, path: str):
         with open(path, "w", newline="") as f:
@@ -153,6 +202,37 @@ def rule(err: float, ref_err: float, floor: float) -> bool:
 
 # ----------------------------------------------------------------------------------------------- ops
 
+def _config_name(cfg: dict) -> str:
+    return (f"bm{cfg['block_m']} bn{cfg['block_n']} w{cfg['num_warps']} s{cfg['num_stages']} "
+            f"splits{cfg['splits']}" + (" prerot" if cfg.get("prerotate") else "")
+            + (" vgather" if cfg.get("gather_values") else ""))
+
+
+def _sweep(res: Results, op: str, n: int, m: int, t_ref: float, ref_err: float, floor: float, truth, launch, plan,
+           grid):
+    """Times every override set of `grid` (dicts of launch overrides); reports the best one."""
+    best = None
+    for overrides in grid:
+        cfg = plan(**overrides)
+        name = _config_name(cfg)
+        fn = lambda: launch(**overrides)
+        try:
+            e = max_err(fn(), truth)
+            t = bench(fn)
+        except Exception as exc:  # out of shared memory / registers for this config
+            print(f"  sweep {name}: {type(exc).__name__}", flush=True)
+            continue
+        ok = rule(e, ref_err, floor)
+        print(f"  sweep {op} n={n} m={m} {name:<44} {t:8.4f} ms  err {e:.3g} {'pass' if ok else 'FAIL'}",
+              flush=True)
+        if not ok:
+            res.failures.append(f"sweep {op} {name} n={n} m={m}: err {e:.3g}")
+        if ok and (best is None or t < best[0]):
+            best = (t, name, e)
+    if best:
+        res.add(op, n, m, "triton_best_of_sweep", best[0], t_ref, best[2], ref_err, True, best[1])
+
+
 def run_attention(c, n, m, res: Results, sweep: bool):
     from kvfuse.kernels import fused_attention_reference, fused_attention_triton
     from kvfuse.kernels._triton import attention as tri_attn
@@ -164,11 +244,10 @@ def run_attention(c, n, m, res: Results, sweep: bool):
     ref_err, err = max_err(ref, truth), max_err(out, truth)
     t_ref = bench(lambda: fused_attention_reference(*args))
     res.add("fused_attention", n, m, "torch_reference", t_ref, t_ref, ref_err, ref_err)
-    bm, bn, warps, stages = tri_attn.pick_blocks(m, HEAD_DIM, DTYPE, False)
-    splits = tri_attn.pick_splits(math.ceil(m / bm) * HQ, n, bn, c["q"].device)
+    plan = lambda **o: tri_attn.plan(m, HQ, HKV, n, HEAD_DIM, DTYPE, c["q"].device, **o)
     t_tri = bench(lambda: fused_attention_triton(*args))
     res.add("fused_attention", n, m, "triton", t_tri, t_ref, err, ref_err, rule(err, ref_err, 1e-3),
-            f"bm{bm} bn{bn} w{warps} s{stages} splits{splits}")
+            _config_name(plan()), graph_ms=bench_graph(lambda: fused_attention_triton(*args)))
 
     # SDPA over keys rotated and gathered beforehand (not timed): the zero-overhead ideal
     keys = rotated_keys(c).transpose(0, 1)[None].contiguous()                   # [1, Hkv, N, D]
@@ -181,6 +260,7 @@ def run_attention(c, n, m, res: Results, sweep: bool):
     sdpa_out = sdpa()[0].transpose(0, 1)
     t_sdpa = bench(sdpa)
     res.add("fused_attention", n, m, "sdpa_mask_prerotated", t_sdpa, t_ref, max_err(sdpa_out, truth), ref_err)
+    del keys_rep, values_rep
     flash = lambda: F.scaled_dot_product_attention(q4, keys, values, scale=c["scale"], enable_gqa=True)
     res.add("fused_attention", n, m, "sdpa_flash_nomask_floor", bench(flash), t_ref,
             config="no mask: wrong semantics, speed floor only")
@@ -195,26 +275,16 @@ def run_attention(c, n, m, res: Results, sweep: bool):
     res.add("fused_attention", n, m, "rotate_then_sdpa", bench(rope_then_sdpa), t_ref)
 
     if sweep:
-        best = None
-        small = m <= QUESTION_ROWS
-        grid = itertools.product((16, 32, 64) if small else (64, 128), (32, 64), (4, 8), (2, 3),
-                                 (1, 4, 8) if small else (1,))
-        for bm_, bn_, w_, st_, sp_ in grid:
-            fn = lambda: tri_attn.launch(*args, block_m=bm_, block_n=bn_, num_warps=w_, num_stages=st_,
-                                         num_splits=sp_)
-            try:
-                e = max_err(fn(), truth)
-                t = bench(fn)
-            except Exception as exc:  # out of shared memory / registers for this config
-                print(f"  sweep bm{bm_} bn{bn_} w{w_} s{st_} splits{sp_}: {type(exc).__name__}", flush=True)
-                continue
-            if not rule(e, ref_err, 1e-3):
-                res.failures.append(f"sweep config bm{bm_} bn{bn_} w{w_} s{st_} splits{sp_} n={n} m={m}: err {e:.3g}")
-            if best is None or t < best[0]:
-                best = (t, f"bm{bm_} bn{bn_} w{w_} s{st_} splits{sp_}", e)
-        if best:
-            res.add("fused_attention", n, m, "triton_best_of_sweep", best[0], t_ref, best[2], ref_err,
-                    rule(best[2], ref_err, 1e-3), best[1])
+        if m <= QUESTION_ROWS:
+            grid = [dict(block_m=64, block_n=64, num_warps=4, num_stages=3, num_splits=sp_, prerotate=pr_,
+                         gather_values=gv_)
+                    for sp_ in (4, 8, 16) for pr_, gv_ in ((False, False), (True, False), (True, True))]
+        else:
+            grid = [dict(block_m=bm_, block_n=bn_, num_warps=8 if bm_ == 128 else 4, num_stages=3, prerotate=pr_,
+                         gather_values=pr_)
+                    for bm_ in (64, 128) for bn_ in (64, 128) for pr_ in (False, True)]
+        _sweep(res, "fused_attention", n, m, t_ref, ref_err, 1e-3, truth,
+               lambda **o: tri_attn.launch(*args, **o), plan, grid)
 
 
 def run_scores(c, n, m, res: Results, sweep: bool):
@@ -230,25 +300,23 @@ def run_scores(c, n, m, res: Results, sweep: bool):
     res.add("attention_scores", n, m, "torch_reference", t_ref, t_ref, ref_err, ref_err)
     bm, bn, warps, stages = tri_scores.pick_blocks(m, HEAD_DIM, DTYPE, False)
     splits = tri_scores.pick_splits(math.ceil(m / bm) * HQ, n, bn, c["q"].device)
+    prerot = tri_scores.prerotate_by_default(m, bm, HQ // HKV, n)
     res.add("attention_scores", n, m, "triton", bench(lambda: attention_scores_triton(*args)), t_ref, err, ref_err,
-            rule(err, ref_err, 1e-6), f"bm{bm} bn{bn} w{warps} s{stages} splits{splits}")
+            rule(err, ref_err, 1e-6),
+            f"bm{bm} bn{bn} w{warps} s{stages} splits{splits}" + (" prerot" if prerot else ""),
+            graph_ms=bench_graph(lambda: attention_scores_triton(*args)))
     if sweep:
-        best = None
         small = m <= QUESTION_ROWS
-        for bm_, bn_, w_, sp_ in itertools.product((16, 32, 64) if small else (32, 64), (64, 128), (4, 8),
-                                                   (1, 4) if small else (1,)):
-            fn = lambda: tri_scores.launch(*args, block_m=bm_, block_n=bn_, num_warps=w_, num_splits=sp_)
-            try:
-                e = max_err(fn(), truth)
-                t = bench(fn)
-            except Exception as exc:
-                print(f"  sweep bm{bm_} bn{bn_} w{w_} splits{sp_}: {type(exc).__name__}", flush=True)
-                continue
-            if best is None or t < best[0]:
-                best = (t, f"bm{bm_} bn{bn_} w{w_} splits{sp_}", e)
-        if best:
-            res.add("attention_scores", n, m, "triton_best_of_sweep", best[0], t_ref, best[2], ref_err,
-                    rule(best[2], ref_err, 1e-6), best[1])
+
+        def plan(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages, num_splits=None, prerotate=None):
+            sp = num_splits or tri_scores.pick_splits(math.ceil(m / block_m) * HQ, n, block_n, c["q"].device)
+            pr = prerotate if prerotate is not None else prerot
+            return dict(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages, splits=sp,
+                        prerotate=pr)
+        grid = [dict(block_m=64, block_n=bn_, num_warps=4, num_splits=sp_, prerotate=pr_)
+                for bn_ in (64, 128) for sp_ in ((8,) if small else (None,)) for pr_ in (False, True)]
+        _sweep(res, "attention_scores", n, m, t_ref, ref_err, 1e-6, truth,
+               lambda **o: tri_scores.launch(*args, **o), plan, grid)
 
 
 def run_elementwise(c, n, res: Results):
@@ -302,6 +370,8 @@ def main(argv=None) -> int:
     parser.add_argument("--sweep", action="store_true", help="also sweep attention launch configurations")
     parser.add_argument("--ops", nargs="+", default=["attention", "scores", "elementwise"],
                         choices=["attention", "scores", "elementwise"])
+    parser.add_argument("--m", nargs="+", default=["question", "recompute"], choices=["question", "recompute"],
+                        help="query sets: the 64 question rows, and/or 15%% of N recomputed rows")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs CUDA", file=sys.stderr)
@@ -318,7 +388,8 @@ def main(argv=None) -> int:
           f"{'ref err':<13} check config")
     res = Results(name)
     for n in args.n:
-        for m in (QUESTION_ROWS, int(round(0.15 * n))):
+        sizes = {"question": QUESTION_ROWS, "recompute": int(round(0.15 * n))}
+        for m in (sizes[key] for key in args.m):
             c = make_case(n, m, device, seed=n + m)
             if "attention" in args.ops:
                 run_attention(c, n, m, res, args.sweep)
@@ -330,6 +401,8 @@ def main(argv=None) -> int:
             run_elementwise(make_case(n, 1, device, seed=n), n, res)
     res.write(args.out)
     print(f"# wrote {args.out}")
+    print("# summary (median ms)")
+    print(res.summary())
     if res.failures:
         print("# FAILED checks:\n#   " + "\n#   ".join(res.failures))
         return 1

@@ -5,10 +5,11 @@
 - q [M, Hq, D]: queries, RoPE already applied; q_pos [M] int64 their absolute positions.
 - k, v [R, Hkv, D]: a pool of rows (e.g. cached documents used in place); k holds keys BEFORE RoPE.
 - kv_rows [N] int64: the pool rows to attend to, in any order (None: rows 0..N-1).
-- kv_pos [N] int64: the absolute position of each of those keys; RoPE at kv_pos is applied on load
-  (deferred RoPE, no copy of the cache). cos/sin [P, D] are tables indexed by position, in HF's layout (both
-  halves of a row equal; model dtype saves bandwidth, results are the same); cos=None means the keys are
-  already rotated.
+- kv_pos [N] int64: the absolute position of each of those keys; RoPE at kv_pos is applied to the keys as they
+  are read (deferred RoPE: the cache itself is never rotated or copied; with many query rows the Triton path
+  rotates the attended keys once into a transient per-call buffer instead of once per query block, with the same
+  bits). cos/sin [P, D] are tables indexed by position, in HF's layout (both halves of a row equal; model dtype
+  saves bandwidth, results are the same); cos=None means the keys are already rotated.
 - Mask: key j is visible to query i iff ``kv_pos[j] <= q_pos[i]``. This is NOT a bottom-right aligned causal
   mask: a recomputed token in the middle of the prompt sees only keys at or before its own position.
 - GQA: Hq % Hkv == 0, q head h reads kv head ``h // (Hq // Hkv)``.
@@ -127,7 +128,8 @@ def fused_attention_reference(q, q_pos, k, v, kv_rows, kv_pos, cos, sin, scale):
 
 
 def fused_attention_triton(q, q_pos, k, v, kv_rows, kv_pos, cos, sin, scale):
-    """Triton fused attention (flash-style, deferred RoPE on load); same contract as the reference."""
+    """Triton fused attention (flash-style, deferred RoPE, GQA heads packed per kv head); same contract as the
+    reference."""
     q_pos, kv_rows, kv_pos = check_inputs(q, q_pos, k, v, kv_rows, kv_pos, cos, sin)
     choose_backend(q.device, "triton")
     from ._triton.attention import launch

@@ -54,9 +54,53 @@ def round_to(x, dt: tl.constexpr, EMULATE_RNE: tl.constexpr):
 
 
 @triton.jit
+def add_rn(a, b, EMULATE_RNE: tl.constexpr):
+    """fp32 ``a + b`` rounded once, never fused with the multiplications that produced a or b.
+
+    On the GPU the compiler shrinks ``round(x * c)`` to a half-precision multiply and then contracts it with the
+    following add into one fused multiply-add (one rounding where torch rounds twice): the add is therefore
+    written as PTX ``add.rn.f32``, which neither LLVM nor ptxas fuse. The interpreter adds in numpy: no fusion.
+    """
+    if EMULATE_RNE:
+        return a + b
+    else:
+        return tl.inline_asm_elementwise("add.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+
+
+@triton.jit
 def _table(ptr, mask, dt: tl.constexpr, EMULATE_RNE: tl.constexpr):
     """Loads a cos/sin tile, rounds it to the rotated tensor's dtype (as HF casts the tables), returns fp32."""
     return round_to(tl.load(ptr, mask=mask, other=0.0).to(tl.float32), dt, EMULATE_RNE).to(tl.float32)
+
+
+@triton.jit
+def tile_mask(row_ok, offs, WIDTH: tl.constexpr, WIDTH_PAD: tl.constexpr):
+    """Load mask of a [rows, WIDTH_PAD] tile: the row mask alone when no column is padding."""
+    if WIDTH == WIDTH_PAD:
+        return row_ok[:, None]
+    else:
+        return row_ok[:, None] & (offs < WIDTH)[None, :]
+
+
+@triton.jit
+def rope_halves(x1, x2, c, s, EMULATE_RNE: tl.constexpr):
+    """Rotate-half RoPE of the two halves x1, x2 (storage dtype) with fp32 tables c, s already rounded to that
+    dtype: ``(x1 c - x2 s, x2 c + x1 s)``, each product and each sum rounded to the storage dtype as torch does
+    (HF's ``x * cos + rotate_half(x) * sin``), so the result is torch's bit for bit."""
+    dt = x1.dtype
+    f1 = x1.to(tl.float32)
+    f2 = x2.to(tl.float32)
+    if dt == tl.float32:
+        # fp32 storage: torch rounds each product and the sum to fp32; only the fusion has to be prevented
+        y1 = add_rn(f1 * c, -f2 * s, EMULATE_RNE)
+        y2 = add_rn(f2 * c, f1 * s, EMULATE_RNE)
+    else:
+        y1 = add_rn(round_to(f1 * c, dt, EMULATE_RNE).to(tl.float32),
+                    round_to(-f2 * s, dt, EMULATE_RNE).to(tl.float32), EMULATE_RNE)
+        y2 = add_rn(round_to(f2 * c, dt, EMULATE_RNE).to(tl.float32),
+                    round_to(f1 * s, dt, EMULATE_RNE).to(tl.float32), EMULATE_RNE)
+    return round_to(y1, dt, EMULATE_RNE), round_to(y2, dt, EMULATE_RNE)
 
 
 @triton.jit
@@ -67,26 +111,49 @@ def load_halves_rotated(base, rows, pos, n_ok, stride_row, cos_ptr, sin_ptr, str
 
     Hugging Face convention: ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = cat(-x2, x1)`` and
     cos/sin cast to x's dtype. Each product and the sum are rounded to x's dtype, as torch does in that dtype,
-    so the result equals the torch reference bit for bit in bf16/fp16 (up to fused multiply-add in fp32).
+    with no fused multiply-add (see `add_rn`), so the result equals the torch reference bit for bit.
     Only the first half of each cos/sin row is read: HF's tables hold the same angles in both halves.
     """
     offs_h = tl.arange(0, HALF_PAD)
-    mask = n_ok[:, None] & (offs_h < HALF)[None, :]
+    mask = tile_mask(n_ok, offs_h, HALF, HALF_PAD)
     ptr = base + rows[:, None] * stride_row + offs_h[None, :]
     x1 = tl.load(ptr, mask=mask, other=0.0)
     x2 = tl.load(ptr + HALF, mask=mask, other=0.0)
     if ROPE:
-        # HF tables repeat the same angles in both halves: the first half of each row serves both
         dt = x1.dtype
         c = _table(cos_ptr + pos[:, None] * stride_cos + offs_h[None, :], mask, dt, EMULATE_RNE)
         s = _table(sin_ptr + pos[:, None] * stride_sin + offs_h[None, :], mask, dt, EMULATE_RNE)
-        f1 = x1.to(tl.float32)
-        f2 = x2.to(tl.float32)
-        y1 = round_to(f1 * c, dt, EMULATE_RNE).to(tl.float32) + round_to(-f2 * s, dt, EMULATE_RNE).to(tl.float32)
-        y2 = round_to(f2 * c, dt, EMULATE_RNE).to(tl.float32) + round_to(f1 * s, dt, EMULATE_RNE).to(tl.float32)
-        x1 = round_to(y1, dt, EMULATE_RNE)
-        x2 = round_to(y2, dt, EMULATE_RNE)
+        x1, x2 = rope_halves(x1, x2, c, s, EMULATE_RNE)
     return x1, x2
+
+
+@triton.jit
+def _is_sorted(KPOS, N, BLOCK: tl.constexpr):
+    """True when kv_pos is non-decreasing (scanned in the kernel: no extra launch, no host sync)."""
+    offs = tl.arange(0, BLOCK)
+    descents = tl.zeros([BLOCK], tl.int32)
+    for n0 in range(0, N - 1, BLOCK):
+        i = n0 + offs
+        ok = i < N - 1
+        a = tl.load(KPOS + i, mask=ok, other=0)
+        b = tl.load(KPOS + i + 1, mask=ok, other=0)
+        descents += (b < a).to(tl.int32)
+    return tl.sum(descents, 0) == 0
+
+
+@triton.jit
+def _first_after(KPOS, N, qpos, SEARCH_STEPS):
+    """First index of sorted kv_pos whose position is > qpos (binary search)."""
+    lo = tl.full([], 0, tl.int32)                     # tensors, not constexprs (triton specializes N == 1)
+    hi = tl.full([], 0, tl.int32) + N
+    for _ in range(SEARCH_STEPS):
+        active = lo < hi
+        mid = (lo + hi) // 2
+        key = tl.load(KPOS + mid, mask=active & (mid < N), other=0)
+        right = key <= qpos
+        lo = tl.where(active & right, mid + 1, lo)
+        hi = tl.where(active & (key > qpos), mid, hi)
+    return lo
 
 
 @triton.jit
@@ -97,24 +164,31 @@ def visible_key_end(KPOS, N, qmax, SEARCH_STEPS, BLOCK: tl.constexpr):
     the scan stops there (binary search); when it is not sorted, all N keys are scanned. Both checks run in the
     kernel: no extra launch, no host sync. SEARCH_STEPS >= ceil(log2(N + 1)).
     """
-    offs = tl.arange(0, BLOCK)
-    descents = tl.zeros([BLOCK], tl.int32)
-    for n0 in range(0, N - 1, BLOCK):
-        i = n0 + offs
-        ok = i < N - 1
-        a = tl.load(KPOS + i, mask=ok, other=0)
-        b = tl.load(KPOS + i + 1, mask=ok, other=0)
-        descents += (b < a).to(tl.int32)
-    lo = tl.full([], 0, tl.int32)                     # tensors, not constexprs (triton specializes N == 1)
-    hi = tl.full([], 0, tl.int32) + N
-    for _ in range(SEARCH_STEPS):                     # first index whose position is > qmax
-        active = lo < hi
-        mid = (lo + hi) // 2
-        key = tl.load(KPOS + mid, mask=active & (mid < N), other=0)
-        right = key <= qmax
-        lo = tl.where(active & right, mid + 1, lo)
-        hi = tl.where(active & (key > qmax), mid, hi)
-    return tl.where(tl.sum(descents, 0) == 0, lo, N)
+    return tl.where(_is_sorted(KPOS, N, BLOCK), _first_after(KPOS, N, qmax, SEARCH_STEPS), N)
+
+
+@triton.jit
+def key_bounds(KPOS, N, qmin, qmax, SEARCH_STEPS, BLOCK: tl.constexpr):
+    """(n_full, n_end) for a block of queries with positions in [qmin, qmax]: keys [0, n_full) are visible to
+    every query of the block (no mask needed), keys [n_end, N) to none (not scanned). Sorted kv_pos: two binary
+    searches; otherwise (0, N)."""
+    ok = _is_sorted(KPOS, N, BLOCK)
+    lo_a = tl.full([], 0, tl.int32)                   # the two searches interleaved: one chain of dependent loads
+    hi_a = tl.full([], 0, tl.int32) + N
+    lo_b = tl.full([], 0, tl.int32)
+    hi_b = tl.full([], 0, tl.int32) + N
+    for _ in range(SEARCH_STEPS):
+        act_a = lo_a < hi_a
+        act_b = lo_b < hi_b
+        mid_a = (lo_a + hi_a) // 2
+        mid_b = (lo_b + hi_b) // 2
+        key_a = tl.load(KPOS + mid_a, mask=act_a & (mid_a < N), other=0)
+        key_b = tl.load(KPOS + mid_b, mask=act_b & (mid_b < N), other=0)
+        lo_a = tl.where(act_a & (key_a <= qmin), mid_a + 1, lo_a)
+        hi_a = tl.where(act_a & (key_a > qmin), mid_a, hi_a)
+        lo_b = tl.where(act_b & (key_b <= qmax), mid_b + 1, lo_b)
+        hi_b = tl.where(act_b & (key_b > qmax), mid_b, hi_b)
+    return tl.where(ok, lo_a, 0), tl.where(ok, lo_b, N)
 
 
 def search_steps(n: int) -> int:

@@ -165,12 +165,19 @@ try:  # a probe kernel for the in-kernel key bound (module level: triton resolve
     import triton
     import triton.language as tl
 
-    from kvfuse.kernels._triton.common import search_steps, sort_block, visible_key_end
+    from kvfuse.kernels._triton.common import key_bounds, search_steps, sort_block, visible_key_end
 
     @triton.jit
     def _probe_key_end(KPOS, QMAX, OUT, N, STEPS, BLOCK: tl.constexpr):
         i = tl.program_id(0)
         tl.store(OUT + i, visible_key_end(KPOS, N, tl.load(QMAX + i), STEPS, BLOCK))
+
+    @triton.jit
+    def _probe_key_bounds(KPOS, QMIN, QMAX, OUT, N, STEPS, BLOCK: tl.constexpr):
+        i = tl.program_id(0)
+        full, end = key_bounds(KPOS, N, tl.load(QMIN + i), tl.load(QMAX + i), STEPS, BLOCK)
+        tl.store(OUT + 2 * i, full)
+        tl.store(OUT + 2 * i + 1, end)
 except ImportError:
     triton = None
 
@@ -189,6 +196,40 @@ def test_visible_key_end_searches_sorted_positions_and_scans_all_otherwise(trito
     assert ends([4], [3, 4]) == [0, 1]
 
 
+def test_key_bounds_split_keys_into_unmasked_and_masked_ranges(triton_device):
+    def bounds(kv_pos, qmin, qmax):
+        kv_pos = torch.tensor(kv_pos, device=triton_device)
+        lo, hi = torch.tensor(qmin, device=triton_device), torch.tensor(qmax, device=triton_device)
+        out = torch.zeros(2 * lo.numel(), dtype=torch.int32, device=triton_device)
+        n = kv_pos.numel()
+        _probe_key_bounds[(lo.numel(),)](kv_pos, lo, hi, out, n, search_steps(n), BLOCK=sort_block(n))
+        return [tuple(pair) for pair in out.view(-1, 2).tolist()]
+
+    sorted_pos = [0, 1, 2, 5, 6, 9, 10, 11]
+    assert bounds(sorted_pos, [2, -1, 6, 11], [9, 0, 6, 99]) == [(3, 6), (0, 1), (5, 5), (8, 8)]
+    assert bounds([3, 0, 1, 2, 5], [4, 9], [5, 9]) == [(0, 5), (0, 5)]         # unsorted: scan all, masked
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("splits,gather_values", [(1, False), (2, False), (1, True)])
+def test_keys_rotated_up_front_match_rotation_on_load(dtype, splits, gather_values, triton_device):
+    """Many row blocks rotate the keys once up front; the result is the rotate-on-load one (same rounding of
+    the keys, only the dot's summation order differs)."""
+    pytest.importorskip("triton")
+    from kvfuse.kernels._triton.attention import launch
+
+    c = make_case(19, 53, 6, 2, 32, dtype, seed=31)                       # 57 packed rows: 4 blocks of 16
+    truth = attention64(*_args(c))
+    ref = fused_attention_reference(*_args(c))
+    args = _args(to_device(c, triton_device))
+    outs = [launch(*args, block_m=16, num_splits=splits, prerotate=pre, gather_values=gather_values).cpu()
+            for pre in (False, True)]
+    for out in outs:
+        assert out.dtype == dtype
+        assert_rule(out, ref, truth, dtype, f"prerotate splits={splits}")
+    assert torch.allclose(outs[0].float(), outs[1].float(), atol=1e-5 if dtype == torch.float32 else 1e-2)
+
+
 @pytest.mark.parametrize("splits", [2, 3])
 def test_split_keys_merge_to_the_same_result(splits, triton_device):
     pytest.importorskip("triton")
@@ -201,6 +242,23 @@ def test_split_keys_merge_to_the_same_result(splits, triton_device):
     out = launch(*_args(to_device(c, triton_device)), num_splits=splits).cpu()
     assert torch.allclose(out, ref, atol=1e-5)
     assert torch.equal(out[1], torch.zeros_like(out[1]))
+
+
+@pytest.mark.parametrize("splits,prerotate", [(1, False), (3, False), (1, True)])
+def test_sorted_queries_scan_visible_tiles_without_the_mask(splits, prerotate, triton_device):
+    """Sorted recomputed rows (as the engine passes them): most tiles of a block are visible to all its queries
+    and take the unmasked path, the rest the masked one; the result is the reference's either way."""
+    pytest.importorskip("triton")
+    from kvfuse.kernels._triton.attention import launch
+
+    c = make_case(24, 100, 4, 2, 16, torch.float32, seed=13, questions=4)
+    order = torch.argsort(c["q_pos"])
+    c["q"], c["q_pos"] = c["q"][order], c["q_pos"][order]
+    truth = attention64(*_args(c))
+    ref = fused_attention_reference(*_args(c))
+    out = launch(*_args(to_device(c, triton_device)), block_m=16, block_n=16, num_splits=splits,
+                 prerotate=prerotate).cpu()
+    assert_rule(out, ref, truth, torch.float32, f"sorted queries splits={splits} prerotate={prerotate}")
 
 
 # ---------------------------------------------------------------- GPU, real shapes (Llama-3.1-8B attention)

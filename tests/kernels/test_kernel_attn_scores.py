@@ -101,6 +101,21 @@ def test_gpu_real_shapes(m):
     assert_rule(out, ref, truth, torch.bfloat16, f"gpu m={m}", floor=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_keys_rotated_up_front_give_the_rotate_on_load_result(dtype, triton_device):
+    pytest.importorskip("triton")
+    from kvfuse.kernels._triton.attn_scores import launch
+
+    c = make_case(21, 47, 4, 2, 16, dtype, seed=12)
+    truth = probs64(*_args(c)).mean(dim=0)
+    ref = attention_scores_reference(*_args(c))
+    args = _args(to_device(c, triton_device))
+    on_load, up_front = (launch(*args, prerotate=pre).cpu() for pre in (False, True))
+    for out in (on_load, up_front):
+        assert_rule(out, ref, truth, dtype, f"scores {dtype}", floor=1e-6)
+    assert torch.allclose(on_load, up_front, atol=1e-6)
+
+
 @pytest.mark.parametrize("splits", [2, 3])
 def test_split_statistics_merge_to_the_same_result(splits, triton_device):
     pytest.importorskip("triton")

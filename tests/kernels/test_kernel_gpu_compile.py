@@ -36,10 +36,17 @@ def build(fn, pointers, constexprs, floats=(), warps=4, stages=2):
 bf, f32, i64 = "*bf16", "*fp32", "*i64"
 attn_ptrs = dict(Q=bf, QPOS=i64, K=bf, V=bf, ROWS=i64, KPOS=i64, COS=bf, SIN=bf, OUT=bf, PART_ACC=f32, PART_ML=f32)
 attn_c = dict(GROUP=4, HALF=64, HALF_PAD=64, BLOCK_M=128, BLOCK_N=64, SPLITS=1, SORT_BLOCK=1024, HAS_ROWS=True,
-              ROPE=True, DOT_F32=False, PRECISION="tf32", EMULATE_RNE=False)
-build(attention._attn_fwd_kernel, attn_ptrs, attn_c, ("qk_scale",), warps=8)
+              K_GATHER=True, ROPE=True, DOT_F32=False, PRECISION="tf32", EMULATE_RNE=False)
+build(attention._attn_fwd_kernel, attn_ptrs, attn_c, ("qk_scale",), warps=8, stages=3)
+build(attention._attn_fwd_kernel, attn_ptrs, dict(attn_c, BLOCK_N=128, K_GATHER=False, ROPE=False), ("qk_scale",),
+      warps=8, stages=3)                                              # keys rotated up front
+build(attention._attn_fwd_kernel, attn_ptrs, dict(attn_c, BLOCK_M=64, K_GATHER=False, ROPE=False, HAS_ROWS=False),
+      ("qk_scale",), warps=4, stages=3)                               # keys rotated, values gathered up front
+build(attention._attn_fwd_kernel, attn_ptrs, dict(attn_c, BLOCK_M=64, SPLITS=8), ("qk_scale",), warps=4, stages=3)
 build(attention._attn_fwd_kernel, attn_ptrs, dict(attn_c, BLOCK_M=16, SPLITS=4, HAS_ROWS=False, ROPE=False),
       ("qk_scale",))
+build(attention._attn_fwd_kernel, attn_ptrs, dict(attn_c, GROUP=3, HALF=12, HALF_PAD=16, BLOCK_M=64, SPLITS=4),
+      ("qk_scale",))                                                  # padded halves, odd group
 fp32_ptrs = {k: (f32 if v == bf else v) for k, v in attn_ptrs.items()}
 build(attention._attn_fwd_kernel, fp32_ptrs, dict(attn_c, BLOCK_M=64, BLOCK_N=32, DOT_F32=True, PRECISION="ieee"),
       ("qk_scale",))
@@ -51,8 +58,15 @@ score_c = dict(GROUP=4, HALF=64, HALF_PAD=64, BLOCK_M=64, BLOCK_N=64, HAS_ROWS=T
                PRECISION="tf32", EMULATE_RNE=False, SPLITS=4)
 build(attn_scores._row_stats_kernel, score_ptrs, dict(score_c, SORT_BLOCK=1024), ("qk_scale",))
 build(attn_scores._probs_kernel, score_ptrs, score_c, ("qk_scale", "inv_heads"))
-build(rope._rope_kernel, dict(X=bf, COS=f32, SIN=f32, OUT=bf),
-      dict(HALF=64, HALF_PAD=64, BLOCK_T=32, EMULATE_RNE=False))
+build(attn_scores._row_stats_kernel, score_ptrs, dict(score_c, BLOCK_N=128, SPLITS=1, SORT_BLOCK=1024, HAS_ROWS=False,
+                                                      ROPE=False), ("qk_scale",))
+build(attn_scores._probs_kernel, score_ptrs, dict(score_c, BLOCK_N=128, SPLITS=1, HAS_ROWS=False, ROPE=False),
+      ("qk_scale", "inv_heads"))
+for gather in (False, True):
+    build(rope._rope_kernel, dict(X=bf, ROWS=i64, POS=i64, COS=f32, SIN=f32, OUT=bf),
+          dict(HALF=64, HALF_PAD=64, BLOCK_T=32, GATHER=gather, EMULATE_RNE=False))
+build(rope._rope_kernel, dict(X="*fp16", ROWS=i64, POS=i64, COS=f32, SIN=f32, OUT="*fp16"),
+      dict(HALF=12, HALF_PAD=16, BLOCK_T=32, GATHER=True, EMULATE_RNE=False))
 build(scatter._scatter_kernel, dict(DST=bf, ROWS=i64, SRC=bf), dict(BLOCK_H=8, BLOCK_D=128))
 build(deviation._deviation_kernel, dict(A=bf, B=bf, OUT=f32), dict(BLOCK_M=4, BLOCK_F=1024))
 print("ok")

@@ -35,8 +35,7 @@ def test_triton_and_reference_against_float64(t, h, d, noncontiguous, dtype, tri
     out = apply_rope_triton(x.to(triton_device), cos.to(triton_device), sin.to(triton_device)).cpu()
     assert out.dtype == dtype and out.shape == x.shape
     assert_rule(out, ref, truth, dtype, f"rope {dtype}")
-    if dtype != torch.float32:      # rounded like torch at every step: identical bits in half precision
-        assert torch.equal(out, ref)
+    assert torch.equal(out, ref)    # each product and the sum rounded like torch, never fused: identical bits
 
 
 def test_reference_matches_hugging_face_bit_for_bit():
@@ -58,9 +57,34 @@ def test_public_op_and_validation():
         apply_rope_reference(x[..., :15], cos[:, :15], sin[:, :15])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("rows_none", [False, True])
+def test_gather_rotated_equals_reference_keys(dtype, rows_none, triton_device):
+    """The up-front rotation of the attention kernels: pool rows gathered and rotated at their positions,
+    head-major, with exactly the reference's bits."""
+    pytest.importorskip("triton")
+    from kvfuse.kernels._triton.rope import gather_rotated
+    from kvfuse.kernels.attention import gather_keys
+
+    g = torch.Generator().manual_seed(5)
+    k = torch.randn(40, 3, 24, generator=g).to(dtype)                     # head_dim 24: halves padded
+    kv_rows = None if rows_none else torch.randperm(40, generator=g)[:29]
+    kv_pos = torch.randperm(60, generator=g)[:29]
+    cos, sin = rope_tables(60, 24)
+    ref = gather_keys(k, kv_rows, kv_pos, cos, sin)                       # [Hkv, N, D]
+    dev = lambda t: None if t is None else t.to(triton_device)
+    out = gather_rotated(dev(k), dev(kv_rows), dev(kv_pos), dev(cos), dev(sin)).cpu()
+    assert out.shape == ref.shape and out.is_contiguous()
+    assert torch.equal(out, ref)
+
+
 @pytest.mark.gpu
 @requires_cuda
-def test_gpu_real_shapes():
-    x, cos, sin = _case(8192, 8, 128, torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_gpu_real_shapes(dtype):
+    x, cos, sin = _case(8192, 8, 128, dtype)
     x, cos, sin = x.cuda(), cos.cuda(), sin.cuda()
     assert torch.equal(apply_rope_triton(x, cos, sin), apply_rope_reference(x, cos, sin))
+    # model-dtype tables, as the engine passes them
+    assert torch.equal(apply_rope_triton(x, cos.to(dtype), sin.to(dtype)),
+                       apply_rope_reference(x, cos.to(dtype), sin.to(dtype)))
