@@ -61,7 +61,8 @@ class FusionEngine:
             hf_model.config, "use_sliding_window", True) else None
         self.context_window = min(self.decoder.spec.max_positions, sliding or 1 << 62)
         self.store = self._make_store()
-        self._lock = threading.RLock()
+        # a plain Lock: a stream holds it across yields and may be consumed (and closed) from another thread
+        self._lock = threading.Lock()
         self._prefix_key = content_key(self.namespace, [], self.prompts.prefix_ids)
         # Offline per-document work some strategies read (see _doc_kvs): extras stored with a document's cache
         # (name -> fn(engine, ids, kv) -> {name: tensor}), cache variants (name -> fn(engine, strategy, doc, ids)

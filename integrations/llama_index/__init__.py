@@ -1,0 +1,59 @@
+"""LlamaIndex adapters for kvfuse (needs the `llama-index` extra: `pip install kvfuse[llama-index]`).
+
+- `FusionLLM`: a LlamaIndex LLM over a `FusionEngine`; documents go in the `documents=` keyword.
+- `FusionQueryEngine`: any retriever + cache fusion; `Response.metadata["kvfuse"]` holds timings and cache hits.
+- `FusionSynthesizer`: the response synthesizer behind it, usable in a `RetrieverQueryEngine`.
+- `KVFusePrecompute`: an ingestion transform that precomputes the caches of indexed nodes.
+- `kvfuse_cache_dir(persist_dir)`: where to point the engine's disk cache next to a persisted index.
+
+Example:
+    >>> engine = FusionEngine.from_pretrained("qwen2.5-coder-0.5b",
+    ...                                       disk_cache_dir=kvfuse_cache_dir("./storage"))
+    >>> index = VectorStoreIndex.from_documents(docs, transformations=[SentenceSplitter(),
+    ...                                          KVFusePrecompute(engine)], embed_model=embed_model)
+    >>> qe = FusionQueryEngine(index.as_retriever(similarity_top_k=3), engine=engine, max_new_tokens=48)
+    >>> response = qe.query("Who ...?"); response.metadata["kvfuse"]["cache_hits"]
+
+Importing this package is cheap; LlamaIndex is imported when one of the names is first used.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__all__ = ["FusionLLM", "FusionQueryEngine", "FusionSynthesizer", "KVFusePrecompute", "kvfuse_cache_dir",
+           "nodes_to_documents"]
+
+_WHERE = {
+    "FusionLLM": ".llm",
+    "nodes_to_documents": ".llm",
+    "FusionSynthesizer": ".synthesizer",
+    "FusionQueryEngine": ".query_engine",
+    "KVFusePrecompute": ".ingestion",
+    "kvfuse_cache_dir": ".ingestion",
+}
+
+if TYPE_CHECKING:
+    from .ingestion import KVFusePrecompute, kvfuse_cache_dir
+    from .llm import FusionLLM, nodes_to_documents
+    from .query_engine import FusionQueryEngine
+    from .synthesizer import FusionSynthesizer
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    try:
+        module = importlib.import_module(_WHERE[name], __name__)
+    except ModuleNotFoundError as exc:
+        if exc.name and exc.name.split(".")[0] == "llama_index":
+            raise ImportError("kvfuse's LlamaIndex adapters need llama-index-core: "
+                              "pip install 'kvfuse[llama-index]'") from exc
+        raise
+    value = getattr(module, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)
