@@ -167,6 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
     else:
         add_eval_parser(sub)
         sub.choices["eval"].set_defaults(func=run_eval)
+
+    from kvfuse.profile_cli import add_profile_parser
+
+    add_profile_parser(sub)
     return parser
 
 

@@ -3,7 +3,9 @@
 They all read `ctx.question_attention` ({layer: [Q, N]} softmax probabilities of the question rows over every key,
 averaged over heads, from the runner's question probe) and rank the cached document tokens (`ctx.candidates`).
 Only candidates are ever scored, so the prefix's attention sink (position 0) and the question's attention to
-itself never take budget.
+itself never take budget. The rows reduced are `ctx.question`, the rows the runner always computes: the question
+and the chat suffix (plus any document served without a cache, which the engine never does: it caches misses
+first).
 """
 from __future__ import annotations
 

