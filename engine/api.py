@@ -118,8 +118,9 @@ class FusionEngine:
         Args:
             teacher_ids: also score these tokens teacher-forced from the same prefill (for fidelity/KL):
                 `result.extra["teacher_logprobs"]` is [T, vocab] float32 (row t: log p(. | prompt, ids[:t])).
-            return_logprobs: `result.extra["logprobs"]` holds [generated, vocab] float32 log-probabilities of
-                each decoding step (for greedy decoding these are the teacher-forced ones of its own answer).
+            return_logprobs: `result.extra["logprobs"]` holds [max(1, generated), vocab] float32 log-probabilities
+                of the answer's positions (row t: log p(. | prompt, answer[:t])), re-scored after decoding in one
+                teacher-forced pass from the same prefill, so they equal `teacher_ids` scoring of that answer.
         """
         s = self.stream(question, docs, strategy=strategy, recompute_ratio=recompute_ratio,
                         max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop,
@@ -305,8 +306,7 @@ class FusionEngine:
                 if n_teacher > 1:
                     rows.append(self.runner.extend(out.state, teacher[:-1]))
                     out.state.length = layout.n  # decoding overwrites the teacher rows
-                extra["teacher_logprobs"] = torch.log_softmax(torch.cat(rows), dim=-1).cpu()
-            step_logprobs = [torch.log_softmax(out.logits, -1).cpu()] if return_logprobs else None
+                extra["teacher_logprobs"] = torch.log_softmax(torch.cat(rows).float(), dim=-1).cpu()
             tokens, text, emitted, finish = [], "", 0, "length"
             while True:
                 if token in self.eos_ids:
@@ -325,14 +325,16 @@ class FusionEngine:
                 if len(tokens) >= max_new:
                     break
                 logits = self.runner.extend(out.state, torch.tensor([token]))[0]
-                if step_logprobs is not None:
-                    step_logprobs.append(torch.log_softmax(logits, -1).cpu())
                 token = sampler(logits)
             if len(text) > emitted:
                 yield text[emitted:]
             t_end = time.perf_counter()
-        if step_logprobs is not None:
-            extra["logprobs"] = torch.stack(step_logprobs[: max(1, len(tokens))])
+            if return_logprobs:  # the answer re-scored in one pass, exactly as `teacher_ids` scores
+                rows = [out.logits[None]]
+                if len(tokens) > 1:
+                    out.state.length = layout.n
+                    rows.append(self.runner.extend(out.state, torch.tensor(tokens[:-1])))
+                extra["logprobs"] = torch.log_softmax(torch.cat(rows).float(), dim=-1).cpu()
         return GenerationResult(
             text=text, token_ids=tokens, strategy=strat.name,
             recompute_ratio=1.0 if not strat.uses_cache else (0.0 if strat.ignores_ratio else ratio),

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from .types import Document
 
-__all__ = ["PromptFormat", "PromptBuilder", "PromptLayout", "Span"]
+__all__ = ["PROMPT_PRESETS", "PromptFormat", "PromptBuilder", "PromptLayout", "Span"]
 
 _SLOT = "\x00KVFUSE-CONTENT\x00"
 
@@ -34,6 +34,17 @@ class PromptFormat:
     instruction: str = "Answer the question using the documents below.\n\n"
     doc_suffix: str = "\n\n"
     question_template: str = "Question: {question}\nAnswer concisely."
+
+
+_SHORT = "Answer the question based on the given passages. Only give me the answer and do not output any other words."
+
+#: Named prompt formats. "chat" (the default) answers in sentences; "qa" asks for the bare answer the way
+#: LongBench's multi-document QA prompts do, which is what word-level F1 against short gold answers expects.
+PROMPT_PRESETS: dict[str, PromptFormat] = {
+    "chat": PromptFormat(),
+    "qa": PromptFormat(instruction=f"{_SHORT}\n\nThe following are given passages.\n\n",
+                       question_template=f"{_SHORT}\n\nQuestion: {{question}}\nAnswer:"),
+}
 
 
 @dataclass(frozen=True)

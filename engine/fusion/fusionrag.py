@@ -14,16 +14,19 @@ candidates, then averaged), and the top `budget` tokens are recomputed.
 """
 from __future__ import annotations
 
-from .base import SelectContext, Strategy, register, topk_positions
-from .qattn import layer_mean, resolve_layers, spread_layers
+from .base import register
+from .prophetkv import ProphetKV
 
 CONTEXT_MODES = ("full", "cached")
 
 
 @register
-class FusionRAG(Strategy):
+class FusionRAG(ProphetKV):
+    """ProphetKV's online selection over the fusionrag cache variant."""
+
     name = "fusionrag"
     cache_variant = "fusionrag"
+    graph_safe = False  # not yet run under CUDA graphs
 
     def __init__(self, top_k: int = 10, context: str = "full", layers=None, n_probe: int = 6, lo: float = 0.25,
                  hi: float = 1.0) -> None:
@@ -38,27 +41,13 @@ class FusionRAG(Strategy):
             raise ValueError("top_k must be >= 0")
         if context not in CONTEXT_MODES:
             raise ValueError(f"context must be one of {CONTEXT_MODES}, got {context!r}")
+        super().__init__(layers=layers, n_probe=n_probe, lo=lo, hi=hi)
         self.top_k = int(top_k)
         self.context = context
-        self.layers = None if layers is None else tuple(int(x) for x in layers)
-        self.n_probe, self.lo, self.hi = int(n_probe), float(lo), float(hi)
 
     @property
     def variant_options(self) -> dict:
         return {"top_k": self.top_k, "context": self.context}
-
-    def probe_layers(self, n_layers: int) -> tuple[int, ...]:
-        if self.layers is not None:
-            return resolve_layers(self.layers, n_layers)
-        return spread_layers(n_layers, self.n_probe, self.lo, self.hi)
-
-    def scores(self, ctx: SelectContext):
-        return layer_mean(ctx, self.probe_layers(ctx.n_layers), "mean", normalise=True)
-
-    def initial(self, ctx: SelectContext):
-        if ctx.budget == 0:
-            return ctx.candidates[:0]
-        return topk_positions(self.scores(ctx), ctx.candidates, ctx.budget)
 
     def describe(self) -> str:
         return f"{self.name}(k={self.top_k},{self.context})"

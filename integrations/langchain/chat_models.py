@@ -18,7 +18,7 @@ from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResu
 from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 
 from kvfuse.engine.types import Document, GenerationResult, as_documents
-from kvfuse.integrations.llama_index._bridge import content_id, iterate_in_thread, result_stats
+from .._bridge import content_id, iterate_in_thread, result_stats
 
 __all__ = ["ChatKVFuse", "lc_documents_to_documents", "messages_to_question"]
 

@@ -29,7 +29,7 @@ from langchain_core.runnables.config import patch_config
 from langchain_core.runnables.utils import AddableDict
 from pydantic import ConfigDict, Field
 
-from kvfuse.integrations.llama_index._bridge import GENERATION_OPTIONS, iterate_in_thread, result_stats
+from .._bridge import GENERATION_OPTIONS, iterate_in_thread, result_stats
 
 from .chat_models import lc_documents_to_documents
 

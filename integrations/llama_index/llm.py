@@ -29,7 +29,7 @@ from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore
 
 from kvfuse.engine.types import Document, as_documents
 
-from ._bridge import GENERATION_OPTIONS, content_id, iterate_in_thread, result_stats
+from .._bridge import GENERATION_OPTIONS, content_id, iterate_in_thread, result_stats
 
 __all__ = ["FusionLLM", "nodes_to_documents", "messages_to_question"]
 

@@ -27,7 +27,7 @@ from llama_index.core.types import RESPONSE_TEXT_TYPE
 
 from kvfuse.engine.types import Document
 
-from ._bridge import content_id
+from .._bridge import content_id
 from .llm import FusionLLM, nodes_to_documents
 
 __all__ = ["FusionSynthesizer"]

@@ -23,6 +23,7 @@ DEFAULTS: dict[str, Any] = {
     "strategies": "full,reuse,cacheblend,epic",
     "ratios": "0.15",
     "max_new_tokens": 32,
+    "prompt": "qa",
     "seed": 0,
     "out": "eval_out",
 }
@@ -57,6 +58,9 @@ def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, help="seed of the example shuffle, generation and bootstrap (default: 0)")
     p.add_argument("--max-new-tokens", type=int, dest="max_new_tokens", metavar="N",
                    help=f"tokens generated per answer (default: {DEFAULTS['max_new_tokens']})")
+    p.add_argument("--prompt", choices=("qa", "chat"),
+                   help="prompt preset: qa asks for the bare answer as LongBench does, chat answers in sentences "
+                        f"(default: {DEFAULTS['prompt']})")
     p.add_argument("--out", metavar="DIR",
                    help=f"results folder: records.jsonl, summary.csv, summary.md, pareto.png "
                         f"(default: {DEFAULTS['out']}; --smoke: a temporary folder, removed when the smoke passes)")
@@ -129,6 +133,7 @@ def _resolve(args: argparse.Namespace) -> dict[str, Any]:
         "model": str(get("model")),
         "seed": int(get("seed")),
         "max_new_tokens": mnt,
+        "prompt": str(get("prompt")),
         "out": None if out is None else Path(out),
         "device": getattr(args, "device", None),
         "dtype": getattr(args, "dtype", None),
@@ -159,18 +164,18 @@ def run_eval(args: argparse.Namespace, engine_factory: Any = None) -> int:
     configs = build_configs(opt["strategies"], opt["ratios"])
     if engine_factory is None:
         def engine_factory() -> Any:
-            return load_engine(opt["model"], device=opt["device"], dtype=opt["dtype"])
+            return load_engine(opt["model"], device=opt["device"], dtype=opt["dtype"], prompt=opt["prompt"])
 
     out: Path = opt["out"] or Path(tempfile.mkdtemp(prefix="kvfuse-eval-smoke-"))
     out.mkdir(parents=True, exist_ok=True)
     extra = {"device": opt["device"], "dtype": opt["dtype"]}
     n_ds = len({e.dataset for e in examples})
     print(f"eval: {len(examples)} examples from {n_ds} dataset(s), configs: "
-          f"{', '.join(c.label for c in configs)}; model {opt['model']}; out {out}", file=sys.stderr)
+          f"{', '.join(c.label for c in configs)}; model {opt['model']}; prompt {opt['prompt']}; out {out}", file=sys.stderr)
 
     def make_runner() -> EvalRunner:
         return EvalRunner(engine_factory, out, model=opt["model"], max_new_tokens=opt["max_new_tokens"],
-                          seed=opt["seed"], progress=opt["progress"], extra=extra)
+                          seed=opt["seed"], progress=opt["progress"], extra=extra, prompt=opt["prompt"])
 
     runner = make_runner()
     if runner.store.bad_lines:
@@ -180,7 +185,8 @@ def run_eval(args: argparse.Namespace, engine_factory: Any = None) -> int:
     print(stats.describe(), file=sys.stderr)
 
     # example x config order: the report lists strategies in the order they were asked for (full first)
-    keys = [record_key(e.id, c.strategy, c.ratio, opt["model"], opt["max_new_tokens"]) for e in examples
+    keys = [record_key(e.id, c.strategy, c.ratio, opt["model"], opt["max_new_tokens"], opt["prompt"])
+            for e in examples
             for c in configs]
     records = [runner.store.get(k) for k in keys if runner.store.get(k) is not None]
     rows, md = write_report(records, out, seed=opt["seed"], pareto_x=opt["pareto_x"])

@@ -1,11 +1,13 @@
 """Runs strategies over examples against the full-prefill reference, one resumable record per run.
 
 For every example the runner
-1. hands the passages to `engine.precompute` (the offline step) and counts cache hits and misses;
-2. runs `full` (the reference; its answer is stored with its token ids);
+1. hands the passages to `engine.precompute` (the offline step: caches, plus the anchors or cache variants of
+   the strategies that read them) and counts cache hits and misses;
+2. runs `full` (the reference; its answer is stored with its token ids, and its per-step log-probabilities
+   come from the same generation);
 3. runs each pending (strategy, ratio) and scores it: task metric against the gold answers, fidelity (F1
    against the full answer) and KL(full || strategy) of the next-token distributions, teacher forced over the
-   full answer's tokens.
+   full answer's tokens from the same prefill as the strategy's own answer (one prefill per run).
 
 Every finished run is appended at once to `<out>/records.jsonl`, keyed by
 (example id, strategy, ratio, model, max_new_tokens); a rerun with the same folder skips what is there.
@@ -72,6 +74,22 @@ def _ratio_free(strategy: str) -> float | None:
     return None
 
 
+def _offline_strategies(configs: Sequence[Config]) -> list[str]:
+    """Strategies of `configs` with offline per-document work (`needs_extras` or a `cache_variant`)."""
+    out: list[str] = []
+    for c in configs:
+        if c.strategy in out or c.strategy in RATIO_FREE:
+            continue
+        try:
+            from kvfuse.engine.fusion import make_strategy
+            inst = make_strategy(c.strategy)
+        except Exception:  # registry not importable or unknown name: the engine reports it on first use
+            continue
+        if getattr(inst, "needs_extras", ()) or getattr(inst, "cache_variant", None):
+            out.append(c.strategy)
+    return out
+
+
 def build_configs(strategies: Sequence[str], ratios: Sequence[float]) -> list[Config]:
     """`full` first (always: it is the reference), then every strategy at every ratio.
 
@@ -101,13 +119,15 @@ def build_configs(strategies: Sequence[str], ratios: Sequence[float]) -> list[Co
     return out
 
 
-def record_key(example_id: str, strategy: str, ratio: float, model: str, max_new_tokens: int) -> tuple:
-    """The resume key of one record."""
-    return (str(example_id), str(strategy), f"{float(ratio):.4f}", str(model), int(max_new_tokens))
+def record_key(example_id: str, strategy: str, ratio: float, model: str, max_new_tokens: int,
+               prompt: str = "qa") -> tuple:
+    """The resume key of one run."""
+    return (str(example_id), str(strategy), f"{float(ratio):.4f}", str(model), int(max_new_tokens), str(prompt))
 
 
 def _key_of(rec: dict[str, Any]) -> tuple:
-    return record_key(rec["example_id"], rec["strategy"], rec["ratio"], rec["model"], rec["max_new_tokens"])
+    return record_key(rec["example_id"], rec["strategy"], rec["ratio"], rec["model"], rec["max_new_tokens"],
+                      rec.get("prompt", "qa"))
 
 
 class RecordStore:
@@ -195,13 +215,17 @@ class RunStats:
         return "\n".join(lines)
 
 
-def load_engine(model: str, device: str | None = None, dtype: str | None = None) -> Any:
-    """`FusionEngine.from_pretrained(model, device=..., dtype=...)` (options only when given)."""
+def load_engine(model: str, device: str | None = None, dtype: str | None = None, prompt: str = "qa") -> Any:
+    """`FusionEngine.from_pretrained(model, device=..., dtype=..., prompt=PROMPT_PRESETS[prompt])` (device and
+    dtype only when given)."""
     try:
         from kvfuse.engine.api import FusionEngine
+        from kvfuse.engine.prompt import PROMPT_PRESETS
     except ImportError as e:
         raise ValueError(f"cannot import the engine (kvfuse.engine.api): {e}") from None
-    kwargs: dict[str, Any] = {}
+    if prompt not in PROMPT_PRESETS:
+        raise ValueError(f"unknown prompt {prompt!r}; available: {', '.join(PROMPT_PRESETS)}")
+    kwargs: dict[str, Any] = {"prompt": PROMPT_PRESETS[prompt]}
     if device:
         kwargs["device"] = device
     if dtype:
@@ -231,11 +255,12 @@ class EvalRunner:
         warmup: one short throw-away generation per strategy before timing anything.
         progress: show a tqdm bar.
         extra: fields copied into every record (device, dtype, ...).
+        prompt: name of the engine's prompt preset (recorded; part of the resume key).
     """
 
     def __init__(self, engine_factory: Callable[[], Any], out_dir: str | Path, model: str,
                  max_new_tokens: int = 32, seed: int = 0, selfcheck_examples: int = 2, warmup: bool = True,
-                 progress: bool = True, extra: dict[str, Any] | None = None) -> None:
+                 progress: bool = True, extra: dict[str, Any] | None = None, prompt: str = "qa") -> None:
         if max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
         self.engine_factory = engine_factory
@@ -243,6 +268,7 @@ class EvalRunner:
         self.model = model
         self.max_new_tokens = int(max_new_tokens)
         self.seed = seed
+        self.prompt = prompt
         self.selfcheck_examples = selfcheck_examples
         self.warmup = warmup
         self.progress = progress
@@ -253,7 +279,7 @@ class EvalRunner:
 
     # ------------------------------------------------------------------ helpers
     def key(self, example: Example, cfg: Config) -> tuple:
-        return record_key(example.id, cfg.strategy, cfg.ratio, self.model, self.max_new_tokens)
+        return record_key(example.id, cfg.strategy, cfg.ratio, self.model, self.max_new_tokens, self.prompt)
 
     def pending(self, examples: Iterable[Example], configs: Sequence[Config]) -> int:
         return sum(self.key(ex, c) not in self.store for ex in examples for c in configs)
@@ -278,12 +304,23 @@ class EvalRunner:
             except Exception as e:  # the real call reports the error with its context
                 print(f"warm-up of {c.label} failed: {e}", file=sys.stderr)
 
-    def _generate(self, ex: Example, cfg: Config):
+    def _generate(self, ex: Example, cfg: Config, **scoring: Any):
+        """One generation; `scoring` asks the engine for log-probs from the same prefill (`return_logprobs` for
+        the reference's own answer, `teacher_ids` for the reference answer teacher-forced)."""
         try:
             return self.engine.generate(ex.question, ex.docs, strategy=cfg.strategy, recompute_ratio=cfg.ratio,
-                                        max_new_tokens=self.max_new_tokens, temperature=0.0, seed=self.seed)
+                                        max_new_tokens=self.max_new_tokens, temperature=0.0, seed=self.seed,
+                                        **scoring)
         except ValueError as e:
             raise ValueError(f"{cfg.label} on {ex.id}: {e}") from None
+
+    def _scored(self, ex: Example, cfg: Config, result: Any, key: str, target_ids: list[int]):
+        """The [T, V] log-probs the engine returned under `result.extra[key]`, or (an engine without that) a
+        separate teacher-forced pass."""
+        lp = (getattr(result, "extra", None) or {}).get(key)
+        if lp is not None and lp.dim() == 2 and lp.shape[0] == len(target_ids):
+            return lp
+        return self._logprobs(ex, cfg, target_ids)
 
     def _logprobs(self, ex: Example, cfg: Config, target_ids: list[int]):
         try:
@@ -310,6 +347,7 @@ class EvalRunner:
             "ratio": cfg.ratio,
             "model": self.model,
             "max_new_tokens": self.max_new_tokens,
+            "prompt": self.prompt,
             "engine_model": getattr(self.engine, "model_name", None),
             "seed": self.seed,
             "metric": metric_name(ex.dataset),
@@ -356,6 +394,7 @@ class EvalRunner:
             self._warm_up(configs)
         from tqdm.auto import tqdm
 
+        offline = _offline_strategies(configs)
         bar = tqdm(total=stats.total, initial=stats.skipped, unit="run", desc="eval", file=sys.stderr,
                    disable=not self.progress, dynamic_ncols=True)
         selfchecks_left = self.selfcheck_examples
@@ -367,23 +406,26 @@ class EvalRunner:
                     stats.too_long.append(ex.id)
                     bar.update(len(pend))
                     continue
-                self._precompute(ex, stats)
+                self._precompute(ex, stats, offline)
                 ref_cfg = configs[0]
                 ref_key = self.key(ex, ref_cfg)
                 ref_rec = self.store.get(ref_key)
                 new_ref: dict[str, Any] | None = None
+                ref_lp = None
                 if ref_rec is None:
                     bar.set_postfix_str(f"{ex.id[:24]} {ref_cfg.label}", refresh=False)
-                    new_ref = self._record(ex, ref_cfg, self._generate(ex, ref_cfg), None)
+                    ref_result = self._generate(ex, ref_cfg, return_logprobs=True)
+                    new_ref = self._record(ex, ref_cfg, ref_result, None)
                     new_ref["kl"], new_ref["kl_tokens"] = 0.0, len(new_ref["token_ids"])
                     ref_rec = new_ref
+                    if new_ref["token_ids"]:  # greedy: the step log-probs are the teacher-forced ones
+                        ref_lp = self._scored(ex, ref_cfg, ref_result, "logprobs", new_ref["token_ids"])
                 target_ids = list(ref_rec["token_ids"])
                 others = [c for c in pend if c.strategy != REFERENCE]
                 do_check = new_ref is not None and selfchecks_left > 0 and len(target_ids) > 0
-                ref_lp = None
-                if target_ids and (others or do_check):
+                if ref_lp is None and target_ids and others:  # resumed: the reference was read back
                     ref_lp = self._logprobs(ex, ref_cfg, target_ids)
-                if do_check:
+                if do_check:  # a separate teacher-forced pass must agree with the generation's own log-probs
                     selfchecks_left -= 1
                     again = self._logprobs(ex, ref_cfg, target_ids)
                     kl_ff = mean_kl(ref_lp, again)
@@ -397,9 +439,12 @@ class EvalRunner:
                     bar.update(1)
                 for cfg in others:
                     bar.set_postfix_str(f"{ex.id[:24]} {cfg.label}", refresh=False)
-                    rec = self._record(ex, cfg, self._generate(ex, cfg), ref_rec["answer"])
+                    scoring = {"teacher_ids": target_ids} if ref_lp is not None else {}
+                    result = self._generate(ex, cfg, **scoring)
+                    rec = self._record(ex, cfg, result, ref_rec["answer"])
                     if ref_lp is not None:
-                        rec["kl"] = mean_kl(ref_lp, self._logprobs(ex, cfg, target_ids))
+                        lp = self._scored(ex, cfg, result, "teacher_logprobs", target_ids)
+                        rec["kl"] = mean_kl(ref_lp, lp)
                         rec["kl_tokens"] = len(target_ids)
                     self.store.append(rec)
                     stats.executed += 1
@@ -422,19 +467,23 @@ class EvalRunner:
               f"of {window}", file=sys.stderr)
         return True
 
-    def _precompute(self, ex: Example, stats: RunStats) -> None:
+    def _precompute(self, ex: Example, stats: RunStats, offline: Sequence[str] = ()) -> None:
+        """The offline step: every passage's cache, then the per-document data of the strategies that read
+        some (`offline`), so that none of it is timed as part of a request."""
         docs = ex.docs
         stats.passage_slots += len(docs)
         self._seen_passages.update(pid for pid, _ in docs)
         stats.distinct_passages = len(self._seen_passages)
         try:
             rep = self.engine.precompute(docs)
+            stats.precompute_hits += int(getattr(rep, "hits", 0) or 0)
+            stats.precompute_misses += int(getattr(rep, "misses", 0) or 0)
+            reps = [rep] + [self.engine.precompute(docs, strategy=name) for name in offline]
         except ValueError as e:
             raise ValueError(f"precompute on {ex.id}: {e}") from None
-        stats.precompute_hits += int(getattr(rep, "hits", 0) or 0)
-        stats.precompute_misses += int(getattr(rep, "misses", 0) or 0)
-        stats.precompute_tokens += int(getattr(rep, "tokens", 0) or 0)
-        stats.precompute_s += float(getattr(rep, "seconds", 0.0) or 0.0)
+        for r in reps:
+            stats.precompute_tokens += int(getattr(r, "tokens", 0) or 0)
+            stats.precompute_s += float(getattr(r, "seconds", 0.0) or 0.0)
 
 
 def _as_long(ids: list[int]):

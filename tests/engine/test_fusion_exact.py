@@ -179,6 +179,7 @@ def test_teacher_forced_scores_match_decoding_and_standalone(tiny_engine):
     engine = tiny_engine("qwen2")
     r = engine.generate(QUESTION, DOCS, strategy="full", max_new_tokens=6, return_logprobs=True)
     assert len(r.token_ids) == 6
+    assert r.extra["logprobs"].argmax(-1).tolist() == r.token_ids  # the re-scored answer is the greedy one
     t = engine.generate(QUESTION, DOCS, strategy="full", max_new_tokens=6, teacher_ids=r.token_ids)
     torch.testing.assert_close(t.extra["teacher_logprobs"], r.extra["logprobs"], rtol=1e-4, atol=1e-4)
     assert t.token_ids == r.token_ids  # scoring the teacher tokens does not disturb decoding

@@ -51,4 +51,5 @@ def test_cpu_reference_and_triton_engine_agree():
     a = cpu.next_token_logprobs(QUESTION, DOCS, [11, 12, 13], strategy="cacheblend", recompute_ratio=0.3)
     b = gpu_fp32.next_token_logprobs(QUESTION, DOCS, [11, 12, 13], strategy="cacheblend", recompute_ratio=0.3)
     torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
-    assert gpu.generate(QUESTION, DOCS, max_new_tokens=4).text is not None
+    c = gpu.next_token_logprobs(QUESTION, DOCS, [11, 12, 13], strategy="cacheblend", recompute_ratio=0.3)
+    torch.testing.assert_close(c, b, rtol=0.1, atol=0.1)  # the bf16 engine stays near fp32

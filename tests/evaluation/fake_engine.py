@@ -27,7 +27,10 @@ class FakeEngine:
         self.cached: set[str] = set()
         self.calls: list[tuple] = []
 
-    def precompute(self, docs):
+    def precompute(self, docs, strategy=None):
+        if strategy is not None:
+            self.calls.append(("precompute-offline", strategy))
+            return PrecomputeReport(hits=0, misses=0, tokens=0, seconds=0.0)
         hits = misses = 0
         for pid, _text in docs:
             if pid in self.cached:
@@ -39,7 +42,7 @@ class FakeEngine:
         return PrecomputeReport(hits=hits, misses=misses, tokens=10 * misses, seconds=0.01 * misses)
 
     def generate(self, question, docs, strategy="cacheblend", recompute_ratio=0.15, max_new_tokens=64,
-                 temperature=0.0, top_p=1.0, seed=None, stop=None):
+                 temperature=0.0, top_p=1.0, seed=None, stop=None, teacher_ids=None, return_logprobs=False):
         self.calls.append(("generate", question, strategy, recompute_ratio))
         if strategy not in ANSWERS:
             raise ValueError(f"unknown strategy {strategy!r}")
@@ -47,14 +50,23 @@ class FakeEngine:
         ids = [3 + (_seed(w) % (VOCAB - 3)) for w in text.split()][:max_new_tokens]
         doc_tokens = 10 * len(docs)
         frac = {"full": 1.0, "reuse": 0.0}.get(strategy, recompute_ratio)
+        extra = {}
+        if teacher_ids is not None:  # what next_token_logprobs gives, without recording a call
+            extra["teacher_logprobs"] = self._logprobs(question, teacher_ids, strategy, recompute_ratio)
+        if return_logprobs and ids:
+            extra["logprobs"] = self._logprobs(question, ids, strategy, recompute_ratio)
         return GenerationResult(
-            text=text, token_ids=ids, strategy=strategy, recompute_ratio=recompute_ratio, finish_reason="stop",
+            text=text, token_ids=ids, extra=extra, strategy=strategy, recompute_ratio=recompute_ratio, finish_reason="stop",
             ttft_s=0.1 if strategy == "full" else 0.02, prefill_s=0.01, decode_s=0.01, selection_s=0.0,
             miss_prefill_s=0.0, prompt_tokens=doc_tokens + 5, doc_tokens=doc_tokens, question_tokens=5,
             recomputed_tokens=int(round(frac * doc_tokens)), cache_hits=len(docs), cache_misses=0)
 
     def next_token_logprobs(self, question, docs, target_ids, strategy="cacheblend", recompute_ratio=0.15):
         self.calls.append(("logprobs", question, strategy, recompute_ratio))
+        return self._logprobs(question, target_ids, strategy, recompute_ratio)
+
+    @staticmethod
+    def _logprobs(question, target_ids, strategy, recompute_ratio):
         g = torch.Generator().manual_seed(_seed(question))
         logits = torch.randn(len(target_ids), VOCAB, generator=g)
         logits[torch.arange(len(target_ids)), torch.tensor(target_ids, dtype=torch.long)] += 8.0

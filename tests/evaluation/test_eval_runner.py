@@ -4,7 +4,7 @@ import pytest
 from fake_engine import ANSWERS, FakeEngine
 
 from kvfuse.evaluation.data import read_jsonl, smoke_data_path
-from kvfuse.evaluation.runner import Config, EvalRunner, RecordStore, build_configs, record_key
+from kvfuse.evaluation.runner import Config, EvalRunner, RecordStore, _offline_strategies, build_configs, record_key
 
 
 @pytest.fixture
@@ -132,3 +132,26 @@ def test_warmup_runs_each_strategy_once_before_timing(tmp_path, examples):
     _runner(tmp_path, factory).run(examples[:1], build_configs(["reuse", "cacheblend"], [0.15, 0.3]))
     calls = [c for c in factory.engines[0].calls if c[0] == "generate"]
     assert [c[2] for c in calls[:3]] == ["full", "reuse", "cacheblend"] and calls[0][1] == "Say OK."
+
+
+def test_one_prefill_per_run_scores_kl_from_the_generation(tmp_path, examples):
+    """KL comes from the generation's own prefill (teacher_ids / return_logprobs): the only separate
+    teacher-forced passes are the reference self-checks, and the KL equals what such a pass gives."""
+    factory = Factory()
+    configs = build_configs(["reuse", "cacheblend"], [0.15])
+    _runner(tmp_path, factory, warmup=False, selfcheck_examples=1).run(examples, configs)
+    eng = factory.engines[0]
+    assert [c for c in eng.calls if c[0] == "logprobs"] == [("logprobs", examples[0].question, "full", 1.0)]
+    assert sum(c[0] == "generate" for c in eng.calls) == len(examples) * len(configs)
+    rec = RecordStore(tmp_path).get(record_key(examples[1].id, "reuse", 0.0, "fake", 8))
+    ref = RecordStore(tmp_path).get(record_key(examples[1].id, "full", 1.0, "fake", 8))
+    from kvfuse.evaluation.metrics import mean_kl
+    ex = examples[1]
+    want = mean_kl(FakeEngine().next_token_logprobs(ex.question, ex.docs, ref["token_ids"], "full", 1.0),
+                   FakeEngine().next_token_logprobs(ex.question, ex.docs, ref["token_ids"], "reuse", 0.0))
+    assert rec["kl"] == pytest.approx(want) and rec["kl"] > 0
+
+
+def test_offline_work_of_strategies_is_precomputed_outside_requests():
+    configs = build_configs(["reuse", "cacheblend", "qcfuse", "fusionrag", "infoflow"], [0.15])
+    assert _offline_strategies(configs) == ["qcfuse", "fusionrag"]

@@ -16,7 +16,7 @@ from kvfuse.engine.api import FusionEngine  # noqa: E402
 from kvfuse.engine.fusion.base import budget_for  # noqa: E402
 from kvfuse.integrations.langchain import ChatKVFuse, FusionRunnable, lc_documents_to_documents  # noqa: E402
 from kvfuse.integrations.langchain.chat_models import messages_to_question  # noqa: E402
-from kvfuse.integrations.llama_index._bridge import content_id  # noqa: E402
+from kvfuse.integrations._bridge import content_id  # noqa: E402
 
 DOCS = [
     Document("The Larkspur Observatory was built in 1887 above the harbour town of Dunmore.", id="obs"),

@@ -1,6 +1,6 @@
-"""Framework-free plumbing shared by the LlamaIndex adapters: documents, stats, threads.
+"""Framework-free plumbing shared by the LlamaIndex and LangChain adapters: documents, stats, threads.
 
-Nothing here imports LlamaIndex, so it can be tested and reused without the framework installed.
+Nothing here imports LlamaIndex or LangChain, so it can be tested and reused without either installed.
 """
 from __future__ import annotations
 
