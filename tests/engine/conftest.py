@@ -9,7 +9,7 @@ from kvfuse.engine.api import FusionEngine
 from kvfuse.engine.config import EngineConfig
 from kvfuse.engine.weights import load_model
 
-from engine_cases import DOCS, FAMILIES, QUESTION  # noqa: F401  (re-exported for tests)
+from cases import DOCS, FAMILIES, QUESTION  # noqa: F401  (re-exported for tests)
 
 
 def make_engine(model, tok, info, **config) -> FusionEngine:

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 import torch
-from engine_cases import DOCS, QUESTION
+from cases import DOCS, QUESTION
 
 
 def test_hit_miss_accounting_and_any_order_subset_repeat(tiny_engine):

@@ -18,7 +18,7 @@ from kvfuse.engine import runner as runner_mod
 from kvfuse.engine.api import FusionEngine
 from kvfuse.engine.fusion import make_strategy
 
-from engine_cases import DOCS, FAMILIES, QUESTION
+from cases import DOCS, FAMILIES, QUESTION
 
 
 def _prefill_logits(engine: FusionEngine, question, docs, strategy, ratio=0.15, **opts):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_cases import DOCS, QUESTION
+from cases import DOCS, QUESTION
 from fixtures import load_tiny
 
 from kvfuse.engine.api import FusionEngine

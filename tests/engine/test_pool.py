@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_cases import DOCS, QUESTION
+from cases import DOCS, QUESTION
 
 from kvfuse.engine import sources
 from kvfuse.engine.store.pool import KVPool

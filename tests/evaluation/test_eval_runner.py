@@ -155,3 +155,19 @@ def test_one_prefill_per_run_scores_kl_from_the_generation(tmp_path, examples):
 def test_offline_work_of_strategies_is_precomputed_outside_requests():
     configs = build_configs(["reuse", "cacheblend", "qcfuse", "fusionrag", "infoflow"], [0.15])
     assert _offline_strategies(configs) == ["qcfuse", "fusionrag"]
+
+
+def test_prompt_preset_is_recorded_and_keys_the_resume(tmp_path, examples):
+    configs = build_configs(["reuse"], [0.15])
+    _runner(tmp_path, Factory(), warmup=False, prompt="chat").run(examples, configs)
+    assert {r["prompt"] for r in RecordStore(tmp_path).all()} == {"chat"}
+    stats = _runner(tmp_path, Factory(), warmup=False).run(examples, configs)  # qa: nothing of chat is reused
+    assert stats.executed == stats.total and stats.skipped == 0
+    assert _runner(tmp_path, Factory(), warmup=False, prompt="chat").run(examples, configs).executed == 0
+
+
+def test_load_engine_rejects_an_unknown_prompt():
+    from kvfuse.evaluation.runner import load_engine
+
+    with pytest.raises(ValueError, match="unknown prompt 'poem'; available: chat, qa"):
+        load_engine("smollm2-135m", prompt="poem")

@@ -17,15 +17,9 @@ from kvfuse.engine.fusion.infoflow import InfoFlow
 from kvfuse.engine.runner import Segment
 from kvfuse.engine.types import as_documents
 
+from cases import DOCS, QUESTION
 from conftest import word_embedder
 
-QUESTION = "In which town was the first director of the Larkspur Observatory born?"
-DOCS = [
-    ("larkspur", "The Larkspur Observatory was built in 1887 on the slopes of Mount Helder. Its first director "
-                 "was the astronomer Amelia Voss."),
-    ("quillon", "The Quillon Lantern Festival was founded in 1923 by the glassblower Tomas Reyes."),
-    ("voss", "Amelia Voss was born in the river town of Dunmore in 1851 and studied mathematics at Carvel."),
-]
 CORPUS_EXTRA = [
     ("c1", "The observatory on Mount Helder hosted the astronomer Amelia Voss for forty years."),
     ("c2", "Dunmore is a river town known for its harbour and glassblowers."),

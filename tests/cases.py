@@ -1,4 +1,4 @@
-"""Shared inputs of the engine tests."""
+"""Shared inputs of the engine and strategy tests (a question answerable only across two documents)."""
 from fixtures import TINY_FAMILIES
 
 FAMILIES = TINY_FAMILIES
