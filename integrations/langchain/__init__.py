@@ -12,8 +12,9 @@ Importing this package is cheap; LangChain is imported when one of the names is 
 """
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from .._lazy import lazy_exports
 
 __all__ = ["ChatKVFuse", "FusionRunnable", "lc_documents_to_documents"]
 
@@ -24,20 +25,6 @@ if TYPE_CHECKING:
     from .runnable import FusionRunnable
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _WHERE:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    try:
-        module = importlib.import_module(_WHERE[name], __name__)
-    except ModuleNotFoundError as exc:
-        if exc.name and exc.name.split(".")[0] in ("langchain_core", "pydantic"):
-            raise ImportError("kvfuse's LangChain adapters need langchain-core: "
-                              "pip install 'kvfuse[langchain]'") from exc
-        raise
-    value = getattr(module, name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(list(globals()) + __all__)
+__getattr__, __dir__ = lazy_exports(
+    __name__, globals(), _WHERE, ("langchain_core", "pydantic"),
+    "kvfuse's LangChain adapters need langchain-core: pip install 'kvfuse[langchain]'")

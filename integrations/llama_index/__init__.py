@@ -18,8 +18,9 @@ Importing this package is cheap; LlamaIndex is imported when one of the names is
 """
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from .._lazy import lazy_exports
 
 __all__ = ["FusionLLM", "FusionQueryEngine", "FusionSynthesizer", "KVFusePrecompute", "kvfuse_cache_dir",
            "nodes_to_documents"]
@@ -40,20 +41,6 @@ if TYPE_CHECKING:
     from .synthesizer import FusionSynthesizer
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _WHERE:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    try:
-        module = importlib.import_module(_WHERE[name], __name__)
-    except ModuleNotFoundError as exc:
-        if exc.name and exc.name.split(".")[0] == "llama_index":
-            raise ImportError("kvfuse's LlamaIndex adapters need llama-index-core: "
-                              "pip install 'kvfuse[llama-index]'") from exc
-        raise
-    value = getattr(module, name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(list(globals()) + __all__)
+__getattr__, __dir__ = lazy_exports(
+    __name__, globals(), _WHERE, ("llama_index",),
+    "kvfuse's LlamaIndex adapters need llama-index-core: pip install 'kvfuse[llama-index]'")

@@ -171,7 +171,8 @@ def run_eval(args: argparse.Namespace, engine_factory: Any = None) -> int:
     extra = {"device": opt["device"], "dtype": opt["dtype"]}
     n_ds = len({e.dataset for e in examples})
     print(f"eval: {len(examples)} examples from {n_ds} dataset(s), configs: "
-          f"{', '.join(c.label for c in configs)}; model {opt['model']}; prompt {opt['prompt']}; out {out}", file=sys.stderr)
+          f"{', '.join(c.label for c in configs)}; model {opt['model']}; prompt {opt['prompt']}; out {out}",
+          file=sys.stderr)
 
     def make_runner() -> EvalRunner:
         return EvalRunner(engine_factory, out, model=opt["model"], max_new_tokens=opt["max_new_tokens"],
