@@ -145,8 +145,7 @@ def main(argv: list[str] | None = None) -> int:
                 engine.precompute(docs, strategy=name)
             r = engine.generate(ex.question, docs, strategy=strat, recompute_ratio=a.ratio,
                                 max_new_tokens=a.max_new_tokens, **kw)
-            lay, segs, _ = engine._prepare(ex.question, docs, strat)
-            picked = engine.runner.prefill(lay.ids, segs, strat, a.ratio, want_logits=False).recomputed.cpu()
+            picked = torch.tensor(r.recomputed_positions, dtype=torch.long)
             rel = picked - doc_start
             rows[name]["dev_cov"].append(float(tok_dev[rel].sum() / tok_dev.sum()))
             if ans.numel() and picked.numel():

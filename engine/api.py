@@ -343,7 +343,9 @@ class FusionEngine:
             prompt_tokens=layout.n, doc_tokens=layout.doc_tokens, question_tokens=len(layout.tail),
             recomputed_tokens=int(out.recomputed.numel()) if strat.uses_cache else layout.doc_tokens,
             cache_hits=after.hits - before.hits, cache_misses=after.misses - before.misses,
-            stale=after.stale - before.stale, extra=extra)
+            stale=after.stale - before.stale, extra=extra,
+            recomputed_positions=out.recomputed.tolist() if strat.uses_cache else [],
+            doc_spans=[(sp.start, sp.end) for sp in layout.docs])
 
 
 def _first_stop(text: str, stop: list[str]) -> int | None:

@@ -86,6 +86,8 @@ class GenerationResult:
     cache_hits: int
     cache_misses: int
     stale: int = 0  # documents whose id was known but whose content changed (recomputed)
+    recomputed_positions: list[int] = field(default_factory=list)  # their prompt positions (empty for full)
+    doc_spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of each document, prompt order
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -185,3 +185,17 @@ def test_teacher_forced_scores_match_decoding_and_standalone(tiny_engine):
     assert t.token_ids == r.token_ids  # scoring the teacher tokens does not disturb decoding
     alone = engine.next_token_logprobs(QUESTION, DOCS, r.token_ids, strategy="full")
     torch.testing.assert_close(alone, r.extra["logprobs"], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("strategy", ["reuse", "cacheblend", "infoflow"])
+def test_result_reports_where_the_recomputed_tokens_are(strategy, tiny_engine):
+    engine = tiny_engine("qwen2")
+    r = engine.generate(QUESTION, DOCS, strategy=strategy, recompute_ratio=0.3, max_new_tokens=2)
+    layout = engine.layout(QUESTION, DOCS)
+    assert r.doc_spans == [(sp.start, sp.end) for sp in layout.docs] and len(r.doc_spans) == len(DOCS)
+    pos = r.recomputed_positions
+    assert len(pos) == r.recomputed_tokens and pos == sorted(set(pos))
+    assert all(any(s <= p < e for s, e in r.doc_spans) for p in pos)
+    assert (len(pos) == 0) == (strategy == "reuse")
+    full = engine.generate(QUESTION, DOCS, strategy="full", max_new_tokens=2)
+    assert full.recomputed_positions == [] and full.recomputed_tokens == full.doc_tokens
