@@ -20,7 +20,7 @@ __all__ = ["add_eval_parser", "run_eval", "main"]
 
 DEFAULTS: dict[str, Any] = {
     "model": "qwen2.5-coder-0.5b",
-    "strategies": "full,reuse,cacheblend,epic",
+    "strategies": "full,reuse,cacheblend,epic,infoflow,prophetkv,qcfuse",
     "ratios": "0.15",
     "max_new_tokens": 32,
     "prompt": "qa",
@@ -155,7 +155,7 @@ def run_eval(args: argparse.Namespace, engine_factory: Any = None) -> int:
     """
     from .data import load_examples
     from .report import write_report
-    from .runner import EvalRunner, build_configs, load_engine, record_key
+    from .runner import EvalRunner, _offline_strategies, attach_corpus, build_configs, load_engine, record_key
 
     opt = _resolve(args)
     examples = load_examples(opt["data"], datasets=opt["datasets"], limit=opt["limit"], seed=opt["seed"])
@@ -164,7 +164,10 @@ def run_eval(args: argparse.Namespace, engine_factory: Any = None) -> int:
     configs = build_configs(opt["strategies"], opt["ratios"])
     if engine_factory is None:
         def engine_factory() -> Any:
-            return load_engine(opt["model"], device=opt["device"], dtype=opt["dtype"], prompt=opt["prompt"])
+            engine = load_engine(opt["model"], device=opt["device"], dtype=opt["dtype"], prompt=opt["prompt"])
+            if any(_variant_strategy(name) for name in _offline_strategies(configs)):
+                attach_corpus(engine, examples)  # fusionrag: neighbours from the selected examples' passages
+            return engine
 
     out: Path = opt["out"] or Path(tempfile.mkdtemp(prefix="kvfuse-eval-smoke-"))
     out.mkdir(parents=True, exist_ok=True)
@@ -216,6 +219,12 @@ def run_eval(args: argparse.Namespace, engine_factory: Any = None) -> int:
         shutil.rmtree(out, ignore_errors=True)
         print(f"(removed the temporary {out}; pass --out DIR to keep the results)", file=sys.stderr)
     return 0
+
+
+def _variant_strategy(name: str) -> bool:
+    from kvfuse.engine.fusion import make_strategy
+
+    return bool(getattr(make_strategy(name), "cache_variant", None))
 
 
 def smoke_checks(out: Path, examples: list, configs: list, records: list[dict], rows: list, stats: Any) -> list[str]:

@@ -233,6 +233,19 @@ def load_engine(model: str, device: str | None = None, dtype: str | None = None,
     return FusionEngine.from_pretrained(model, **kwargs)
 
 
+def attach_corpus(engine: Any, examples: Sequence[Example], embed: Callable | None = None) -> Any:
+    """Gives `engine` the corpus that neighbour-based cache variants (fusionrag) search: every passage of
+    `examples`, each example's passages registered as one group (retrieved together), so no passage is ever
+    prefilled with a passage of a question it was retrieved for. `embed` defaults to all-MiniLM-L6-v2."""
+    from kvfuse.engine.corpus import Corpus
+
+    corpus = Corpus(embed)
+    for ex in examples:
+        corpus.add(ex.docs, group=ex.id)
+    engine.corpus = corpus
+    return engine
+
+
 def _finite(x: Any) -> float | None:
     try:
         x = float(x)

@@ -171,3 +171,25 @@ def test_load_engine_rejects_an_unknown_prompt():
 
     with pytest.raises(ValueError, match="unknown prompt 'poem'; available: chat, qa"):
         load_engine("smollm2-135m", prompt="poem")
+
+
+def test_attach_corpus_groups_each_examples_passages(examples):
+    import torch
+
+    from kvfuse.evaluation.runner import attach_corpus
+
+    def embed(texts):  # letter counts: similar texts get similar vectors
+        return torch.tensor([[t.lower().count(c) + 1e-3 for c in "abcdefghijklmnopqrstuvwxyz"] for t in texts])
+
+    eng = attach_corpus(FakeEngine(), examples, embed=embed)
+    assert len(eng.corpus) == len({text for e in examples for _, text in e.docs})
+    every = {text for e in examples for _, text in e.docs}
+    with_neighbours = 0
+    for ex in examples:
+        for pid, text in ex.docs:
+            banned = {t for e in examples if text in {x for _, x in e.docs} for _, t in e.docs}
+            found = {d.text for d in eng.corpus.neighbours((pid, text), 5)}
+            assert not found & banned  # never a passage it was retrieved with, in any example
+            assert bool(found) == bool(every - banned)
+            with_neighbours += bool(found)
+    assert with_neighbours > 0
