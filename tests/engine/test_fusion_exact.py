@@ -70,6 +70,13 @@ def _rotate(x: torch.Tensor, inv_freq: torch.Tensor, delta: int, scaling: float 
     return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1).to(x.dtype)
 
 
+def _cache_kw(hf, cache) -> dict:
+    """The KV-cache keyword of this transformers version's forward (`cache`, earlier `past_key_values`)."""
+    import inspect
+
+    return {"cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values": cache}
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_reuse_equals_independent_concatenation(family, tiny_engine):
     from transformers import DynamicCache
@@ -84,11 +91,11 @@ def test_reuse_equals_independent_concatenation(family, tiny_engine):
     cache = DynamicCache(config=hf.config)
     with torch.inference_mode():
         pc = DynamicCache(config=hf.config)
-        hf(prefix[None], cache=pc, use_cache=True)
+        hf(prefix[None], **_cache_kw(hf, pc), use_cache=True)
         per_layer = [[[pc.layers[i].keys], [pc.layers[i].values]] for i in range(hf.config.num_hidden_layers)]
         for span, ids in zip(layout.docs, layout.doc_ids):
             dc = DynamicCache(config=hf.config)
-            hf(torch.cat([prefix, ids])[None], cache=dc, use_cache=True)
+            hf(torch.cat([prefix, ids])[None], **_cache_kw(hf, dc), use_cache=True)
             for i in range(hf.config.num_hidden_layers):
                 k = dc.layers[i].keys[:, :, p:]
                 per_layer[i][0].append(_rotate(k, inv_freq, span.start - p))
@@ -97,7 +104,7 @@ def test_reuse_equals_independent_concatenation(family, tiny_engine):
             cache.update(torch.cat(ks, dim=2), torch.cat(vs, dim=2), i)
         tail = layout.ids[layout.tail.start:]
         pos = torch.arange(layout.tail.start, layout.n)[None]
-        ref = hf(tail[None], position_ids=pos, cache=cache, use_cache=True).logits[0, -1].float()
+        ref = hf(tail[None], position_ids=pos, **_cache_kw(hf, cache), use_cache=True).logits[0, -1].float()
     _assert_close(out.logits, ref, tol=5e-4)
 
 
@@ -116,7 +123,7 @@ def test_repositioning_is_exact(family, tiny_engine):
     engine.runner.materialize(out.state)
     cache = DynamicCache(config=engine.hf_model.config)
     with torch.inference_mode():
-        engine.hf_model(layout.ids[None], cache=cache, use_cache=True)
+        engine.hf_model(layout.ids[None], **_cache_kw(engine.hf_model, cache), use_cache=True)
     hf_k = cache.layers[0].keys[0].transpose(0, 1)  # [N, kv_heads, D] after RoPE
     ours = out.state.k[0, : layout.n]
     last = layout.docs[-1]
