@@ -10,7 +10,7 @@ import torch
 
 from .config import EngineConfig, resolve_device, resolve_dtype
 from .corpus import default_cache_variants
-from .fusion import make_strategy
+from .fusion import DEFAULT_STRATEGY, make_strategy
 from .fusion.base import Strategy
 from .fusion.reuse import Reuse
 from .models import build_decoder
@@ -108,7 +108,7 @@ class FusionEngine:
         return PrecomputeReport(hits=after.hits - before.hits, misses=after.misses - before.misses,
                                 tokens=tokens, seconds=time.perf_counter() - t0)
 
-    def generate(self, question: str, docs: Iterable[Any] = (), *, strategy: str | Strategy = "cacheblend",
+    def generate(self, question: str, docs: Iterable[Any] = (), *, strategy: str | Strategy = DEFAULT_STRATEGY,
                  recompute_ratio: float = 0.15, max_new_tokens: int = 64, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int | None = None, stop: list[str] | None = None,
                  teacher_ids: list[int] | None = None, return_logprobs: bool = False,
@@ -129,7 +129,7 @@ class FusionEngine:
             pass
         return s.result
 
-    def stream(self, question: str, docs: Iterable[Any] = (), *, strategy: str | Strategy = "cacheblend",
+    def stream(self, question: str, docs: Iterable[Any] = (), *, strategy: str | Strategy = DEFAULT_STRATEGY,
                recompute_ratio: float = 0.15, max_new_tokens: int = 64, temperature: float = 0.0,
                top_p: float = 1.0, seed: int | None = None, stop: list[str] | None = None,
                teacher_ids: list[int] | None = None, return_logprobs: bool = False,

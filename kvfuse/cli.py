@@ -44,11 +44,18 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
 
 
-def _add_gen_args(p: argparse.ArgumentParser, strategy: str = "cacheblend") -> None:
-    p.add_argument("--strategy", default=strategy, help=f"fusion strategy (default: {strategy})")
+def _add_gen_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--strategy", default=None,
+                   help="fusion strategy (default: the engine's, kvfuse.engine.fusion.DEFAULT_STRATEGY: infoflow)")
     p.add_argument("--ratio", type=float, default=0.15, help="recompute ratio in [0, 1] (default 0.15)")
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--temperature", type=float, default=0.0)
+
+
+def _strategy(args: argparse.Namespace) -> str:
+    from kvfuse.engine.fusion import DEFAULT_STRATEGY
+
+    return args.strategy or DEFAULT_STRATEGY
 
 
 def _load_docs(path: str) -> list[dict]:
@@ -93,7 +100,7 @@ def cmd_demo(args) -> int:
     for q in data["questions"]:
         qdocs = [docs[i] for i in q["docs"]]
         print(f"Q: {q['question']}   [{len(qdocs)} documents]")
-        for strat in ("full", args.strategy):
+        for strat in ("full", _strategy(args)):
             r = engine.generate(q["question"], qdocs, strategy=strat, recompute_ratio=args.ratio,
                                 max_new_tokens=args.max_new_tokens, temperature=args.temperature)
             label = strat if strat == "full" else f"{strat}@{args.ratio:.0%}"
@@ -122,7 +129,7 @@ def cmd_ask(args) -> int:
             raise CliError(f"unknown document ids: {', '.join(missing)}")
         docs = [by_id[x] for x in wanted]
     engine = _engine(args)
-    stream = engine.stream(args.question, docs, strategy=args.strategy, recompute_ratio=args.ratio,
+    stream = engine.stream(args.question, docs, strategy=_strategy(args), recompute_ratio=args.ratio,
                            max_new_tokens=args.max_new_tokens, temperature=args.temperature)
     if args.json:
         for _ in stream:

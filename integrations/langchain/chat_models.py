@@ -17,6 +17,7 @@ from langchain_core.messages.ai import UsageMetadata
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 
+from kvfuse.engine.fusion import DEFAULT_STRATEGY
 from kvfuse.engine.types import Document, GenerationResult, as_documents
 from .._bridge import content_id, iterate_in_thread, result_stats
 
@@ -99,7 +100,7 @@ class ChatKVFuse(BaseChatModel):
     cache_dir: str | None = Field(default=None, description="Cache folder for a lazily loaded engine.")
     engine_options: dict[str, Any] = Field(default_factory=dict,
                                            description="More FusionEngine.from_pretrained keywords (lazy load).")
-    strategy: str = Field(default="cacheblend", description="Fusion strategy name.")
+    strategy: str = Field(default=DEFAULT_STRATEGY, description="Fusion strategy name.")
     recompute_ratio: float = Field(default=0.15, ge=0.0, le=1.0, description="Fraction of doc tokens recomputed.")
     max_tokens: int = Field(default=64, gt=0, alias="max_new_tokens", description="Tokens to generate at most.")
     temperature: float = Field(default=0.0, ge=0.0, description="Sampling temperature (0 = greedy).")

@@ -29,6 +29,8 @@ from langchain_core.runnables.config import patch_config
 from langchain_core.runnables.utils import AddableDict
 from pydantic import ConfigDict, Field
 
+from kvfuse.engine.fusion import DEFAULT_STRATEGY
+
 from .._bridge import GENERATION_OPTIONS, iterate_in_thread, result_stats
 
 from .chat_models import lc_documents_to_documents
@@ -52,7 +54,7 @@ class FusionRunnable(RunnableSerializable[FusionInput, dict[str, Any]]):
 
     engine: Any = Field(exclude=True, description="A kvfuse FusionEngine.")
     retriever: Runnable | None = Field(default=None, exclude=True, description="Question -> documents.")
-    strategy: str = "cacheblend"
+    strategy: str = DEFAULT_STRATEGY
     recompute_ratio: float = Field(default=0.15, ge=0.0, le=1.0)
     max_new_tokens: int = Field(default=64, gt=0)
     temperature: float = Field(default=0.0, ge=0.0)

@@ -27,6 +27,7 @@ from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_ca
 from llama_index.core.llms.custom import CustomLLM
 from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore
 
+from kvfuse.engine.fusion import DEFAULT_STRATEGY
 from kvfuse.engine.types import Document, as_documents
 
 from .._bridge import GENERATION_OPTIONS, content_id, iterate_in_thread, result_stats
@@ -101,7 +102,7 @@ class FusionLLM(CustomLLM):
         strategy, recompute_ratio, max_new_tokens, temperature, top_p, seed, stop: generation defaults.
     """
 
-    strategy: str = Field(default="cacheblend", description="Fusion strategy name (see kvfuse.engine.fusion).")
+    strategy: str = Field(default=DEFAULT_STRATEGY, description="Fusion strategy name (see kvfuse.engine.fusion).")
     recompute_ratio: float = Field(default=0.15, ge=0.0, le=1.0,
                                    description="Fraction of document tokens to recompute.")
     max_new_tokens: int = Field(default=64, gt=0, description="Tokens to generate at most.")

@@ -15,6 +15,7 @@ import pytest
 pytest.importorskip("llama_index.core")
 pytest.importorskip("langchain_core")
 
+from kvfuse.engine.fusion import DEFAULT_STRATEGY  # noqa: E402
 from kvfuse.engine.fusion.base import budget_for  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -29,7 +30,7 @@ def _check_costs(stats: dict, engine, question: str, texts: list[str], *, hits: 
     layout = engine.layout(question, [(f"d{i}", t) for i, t in enumerate(texts)])
     assert stats["doc_tokens"] == layout.doc_tokens  # the engine saw exactly these texts
     assert stats["recomputed_tokens"] == budget_for(RATIO, layout.doc_tokens)
-    assert stats["strategy"] == "cacheblend" and stats["ttft_s"] > 0
+    assert stats["strategy"] == DEFAULT_STRATEGY and stats["ttft_s"] > 0
 
 
 # --- LlamaIndex ------------------------------------------------------------------------------------------
