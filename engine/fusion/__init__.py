@@ -4,7 +4,7 @@ from . import cacheblend, epic, full, fusionrag, infoflow, prophetkv, qcfuse, re
 from .base import SelectContext, Strategy, available, budget_for, make_strategy, register, topk_positions
 
 #: The strategy used when none is named. InfoFlow had the lowest KL to full prefill on 3 of the 4 dev QA sets at
-#: 15% recompute and the best or second-best fidelity on each (docs/quality/), at the same GPU TTFT as CacheBlend.
+#: 15% recompute (docs/quality/), at the same GPU TTFT as CacheBlend.
 DEFAULT_STRATEGY = "infoflow"
 
 __all__ = ["DEFAULT_STRATEGY", "SelectContext", "Strategy", "available", "budget_for", "make_strategy", "register",
