@@ -58,3 +58,19 @@ def check_selection(ctx: SelectContext, chosen: torch.Tensor) -> None:
     assert chosen.numel() == ctx.budget, (chosen.numel(), ctx.budget)
     assert bool((chosen[1:] > chosen[:-1]).all()), "not sorted unique"
     assert bool(torch.isin(chosen, ctx.candidates).all()), "picked a non-candidate"
+
+
+def assert_planted_selected(name: str, ratio: float, planted: list[int], value: float) -> None:
+    """Plants `value` of question attention on `planted` at every probe layer of strategy `name`; its initial
+    choice must keep the exact budget (check_selection) and contain every planted position."""
+    from kvfuse.engine.fusion import make_strategy
+
+    ctx = make_ctx(ratio=ratio)
+    s = make_strategy(name)
+    planted = planted[: max(1, ctx.budget)]
+    for layer in s.probe_layers(ctx.n_layers):
+        for p in planted:
+            plant(ctx, layer, p, value)
+    chosen = s.initial(ctx)
+    check_selection(ctx, chosen)
+    assert set(planted) <= set(chosen.tolist())

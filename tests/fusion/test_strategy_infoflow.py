@@ -6,7 +6,7 @@ import torch
 
 from kvfuse.engine.fusion import make_strategy
 
-from strategy_cases import check_selection, make_ctx, plant
+from strategy_cases import assert_planted_selected, make_ctx, plant
 
 
 def test_probe_layers_are_the_deepest_third():
@@ -20,15 +20,7 @@ def test_probe_layers_are_the_deepest_third():
 
 @pytest.mark.parametrize("ratio", [0.05, 0.2, 0.5])
 def test_planted_tokens_are_selected_and_budget_is_exact(ratio):
-    ctx = make_ctx(ratio=ratio)
-    s = make_strategy("infoflow")
-    planted = [10, 40, 77][: max(1, ctx.budget)]
-    for layer in s.probe_layers(ctx.n_layers):
-        for p in planted:
-            plant(ctx, layer, p, 0.1)
-    chosen = s.initial(ctx)
-    check_selection(ctx, chosen)
-    assert set(planted) <= set(chosen.tolist())
+    assert_planted_selected("infoflow", ratio, [10, 40, 77], 0.1)
 
 
 def test_l2_norm_prefers_a_sharp_row_over_a_spread():

@@ -6,7 +6,7 @@ import torch
 
 from kvfuse.engine.fusion import make_strategy
 
-from strategy_cases import check_selection, make_ctx, plant
+from strategy_cases import assert_planted_selected, make_ctx, plant
 
 
 def test_probe_layers_spread_over_depth_and_full_view():
@@ -19,15 +19,7 @@ def test_probe_layers_spread_over_depth_and_full_view():
 
 @pytest.mark.parametrize("ratio", [0.04, 0.15, 0.3])
 def test_planted_tokens_are_selected_and_budget_is_exact(ratio):
-    ctx = make_ctx(ratio=ratio)
-    s = make_strategy("prophetkv")
-    planted = [6, 33, 80]
-    for layer in s.probe_layers(ctx.n_layers):
-        for p in planted:
-            plant(ctx, layer, p, 0.08)
-    chosen = s.initial(ctx)
-    check_selection(ctx, chosen)
-    assert set(planted) <= set(chosen.tolist())
+    assert_planted_selected("prophetkv", ratio, [6, 33, 80], 0.08)
 
 
 def test_each_layer_weighs_the_same():

@@ -7,7 +7,7 @@ import torch
 from kvfuse.engine.fusion import make_strategy
 from kvfuse.engine.fusion.qcfuse import default_critical_layers
 
-from strategy_cases import PREFIX, check_selection, make_ctx, plant
+from strategy_cases import PREFIX, assert_planted_selected, make_ctx, plant
 
 
 def test_critical_layers_precedence():
@@ -39,15 +39,7 @@ def test_probe_keys_are_the_prefix_and_the_anchors():
 
 @pytest.mark.parametrize("ratio", [0.05, 0.15, 0.4])
 def test_planted_tokens_at_critical_layers_are_selected(ratio):
-    ctx = make_ctx(ratio=ratio)
-    s = make_strategy("qcfuse")
-    planted = [8, 45, 71]
-    for layer in s.probe_layers(ctx.n_layers):
-        for p in planted:
-            plant(ctx, layer, p, 0.06)
-    chosen = s.initial(ctx)
-    check_selection(ctx, chosen)
-    assert set(planted) <= set(chosen.tolist())
+    assert_planted_selected("qcfuse", ratio, [8, 45, 71], 0.06)
 
 
 def test_mean_over_rows_and_only_critical_layers():
