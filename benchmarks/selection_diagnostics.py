@@ -68,26 +68,6 @@ class FixedSelection(Strategy):
         return self.positions
 
 
-def deviation(engine: FusionEngine, question: str, docs) -> tuple[torch.Tensor, torch.Tensor, object]:
-    """([n_layers, D] relative deviation (keys + values), [n_layers, D] absolute value deviation) of every
-    document row, and the layout."""
-    full = make_strategy("full")
-    layout, segs, _ = engine._prepare(question, docs, full)
-    start, end = layout.docs[0].start, layout.docs[-1].end
-    ctx_kv = engine.runner.prefill(layout.ids, segs, full, 1.0, capture=(start, end), want_logits=False).captured
-    reuse = make_strategy("reuse")
-    layout_c, segs_c, _ = engine._prepare(question, docs, reuse)
-    alone_k = torch.cat([s.kv.k for s in segs_c if s.kv is not None and s.selectable], dim=1).float()
-    alone_v = torch.cat([s.kv.v for s in segs_c if s.kv is not None and s.selectable], dim=1).float()
-    fk, fv = ctx_kv.k.float().to(alone_k.device), ctx_kv.v.float().to(alone_k.device)
-
-    def rel(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # [L, T, H, D] -> [L, T]
-        return (a - b).norm(dim=-1).mean(-1) / b.norm(dim=-1).mean(-1).clamp_min(1e-6)
-
-    value_dev = (alone_v - fv).norm(dim=-1).mean(-1)
-    return (rel(alone_k, fk) + rel(alone_v, fv)).cpu(), value_dev.cpu(), layout_c
-
-
 def answer_positions(engine: FusionEngine, layout, docs, answers) -> torch.Tensor:
     """Positions of the passages whose text contains a gold answer (normalised substring)."""
     golds = [normalize_answer(a) for a in answers if normalize_answer(a)]
@@ -125,7 +105,9 @@ def main(argv: list[str] | None = None) -> int:
         engine.precompute(docs)
         ref = engine.generate(ex.question, docs, strategy="full", max_new_tokens=a.max_new_tokens,
                               return_logprobs=True)
-        dev, value_dev, layout = deviation(engine, ex.question, docs)
+        ckv = engine.context_kv(ex.question, docs)
+        dev, value_dev, layout = ckv.relative_deviation(), ckv.value_deviation(), ckv.layout
+        del ckv
         layer_dev.append(dev.mean(dim=1))
         tok_dev = dev.sum(0)  # [D] over layers
         doc_start = layout.docs[0].start

@@ -10,6 +10,7 @@ import torch
 
 from .config import EngineConfig, resolve_device, resolve_dtype
 from .corpus import default_cache_variants
+from .diagnose import ContextKV
 from .fusion import DEFAULT_STRATEGY, make_strategy
 from .fusion.base import Strategy
 from .fusion.reuse import Reuse
@@ -172,6 +173,32 @@ class FusionEngine:
             if target.numel() > 1:
                 rows.append(self.runner.extend(out.state, target[:-1]))
             return torch.log_softmax(torch.cat(rows).float(), dim=-1).cpu()
+
+    def context_kv(self, question: str, docs: Iterable[Any]) -> ContextKV:
+        """The documents' cached K/V next to what full prefill of this prompt computes for the same rows.
+
+        Looks up (or computes) each document's cache as `reuse` would, then runs one full prefill and keeps the
+        in-context K/V of the document rows. Both are pre-RoPE; comparing them shows how much each token, at
+        each layer, is changed by the documents before it (`ContextKV.relative_deviation`). Costs one full
+        prefill; for analysis, not serving.
+
+        Raises:
+            ValueError: no documents, or the prompt does not fit the context window.
+        """
+        docs = as_documents(docs)
+        if not docs:
+            raise ValueError("context_kv needs at least one document")
+        full, reuse = make_strategy("full"), Reuse()
+        with self._lock, self.store.hold():
+            layout, segs, _ = self._prepare(question, docs, full)
+            self._check_length(layout.n)
+            start, end = layout.docs[0].start, layout.docs[-1].end
+            ctx = self.runner.prefill(layout.ids, segs, full, 1.0, capture=(start, end), want_logits=False).captured
+            _, cached, _ = self._prepare(question, docs, reuse)
+            alone = [s.kv for s in cached if s.selectable]
+            k = torch.cat([kv.k for kv in alone], dim=1)
+            v = torch.cat([kv.v for kv in alone], dim=1)
+            return ContextKV(layout, k, v, ctx.k.to(k.device), ctx.v.to(v.device))
 
     def cache_stats(self) -> dict[str, int]:
         """Store counters: hits, misses, stale, disk_hits, corrupt, evictions, memory_bytes, memory_entries."""
