@@ -66,6 +66,9 @@ def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
                         f"(default: {DEFAULTS['out']}; --smoke: a temporary folder, removed when the smoke passes)")
     p.add_argument("--pareto-x", choices=("fraction", "ttft"), default="fraction", dest="pareto_x",
                    help="x axis of pareto.png: mean recompute fraction or mean TTFT (default: fraction)")
+    p.add_argument("--pareto-y", choices=("score", "fidelity", "kl"), default="score", dest="pareto_y",
+                   help="y axis of pareto.png: gold score relative to full, fidelity to full's answer, or KL to "
+                        "full (default: score)")
     p.add_argument("--smoke", action="store_true",
                    help="tiny end-to-end check (SmolLM2, 2 bundled examples, full,reuse,cacheblend,epic at 0.15, "
                         "8 new tokens); exits non-zero when any check fails")
@@ -138,6 +141,7 @@ def _resolve(args: argparse.Namespace) -> dict[str, Any]:
         "device": getattr(args, "device", None),
         "dtype": getattr(args, "dtype", None),
         "pareto_x": getattr(args, "pareto_x", None) or "fraction",
+        "pareto_y": getattr(args, "pareto_y", None) or "score",
         "progress": not getattr(args, "no_progress", False),
     }
 
@@ -193,7 +197,8 @@ def run_eval(args: argparse.Namespace, engine_factory: Any = None) -> int:
             for e in examples
             for c in configs]
     records = [runner.store.get(k) for k in keys if runner.store.get(k) is not None]
-    rows, md = write_report(records, out, seed=opt["seed"], pareto_x=opt["pareto_x"])
+    rows, md = write_report(records, out, seed=opt["seed"], pareto_x=opt["pareto_x"],
+                             pareto_y=opt["pareto_y"])
     print(md)
     print(f"wrote {out / 'records.jsonl'}, summary.csv, summary.md, pareto.png", file=sys.stderr)
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from .metrics import bootstrap_ci
 
-__all__ = ["SummaryRow", "summarize", "to_markdown", "write_csv", "plot_pareto", "write_report", "ALL_QA"]
+__all__ = ["SummaryRow", "summarize", "to_markdown", "write_csv", "plot_pareto", "write_report", "ALL_QA", "PARETO_Y", "pareto_y"]
 
 ALL_QA = "all QA (macro)"
 REFERENCE = "full"
@@ -156,17 +156,33 @@ def write_csv(rows: Sequence[SummaryRow], path: str | Path) -> None:
             w.writerow({k: ("" if isinstance(v, float) and not math.isfinite(v) else v) for k, v in d.items()})
 
 
-def plot_pareto(rows: Sequence[SummaryRow], path: str | Path, x: str = "fraction") -> None:
-    """Quality vs cost: one panel per dataset (and the all-QA average), one line per strategy across ratios.
+PARETO_Y = {"score": "score relative to full (%)", "fidelity": "fidelity to full answer (%)",
+            "kl": "KL to full per answer token (nats)"}
 
-    y is the score relative to full (%); a panel where full scores 0 throughout (so that is undefined) shows
-    fidelity to the full answer instead, titled accordingly.
+
+def pareto_y(row: SummaryRow, y: str, use_fid: bool = False) -> float:
+    """The y value of one summary row: "score" (relative to full, %; fidelity when `use_fid`), "fidelity" (%)
+    or "kl"."""
+    if y == "kl":
+        return row.kl
+    if y == "fidelity" or use_fid:
+        return row.fidelity * 100
+    return row.rel_full_pct
+
+
+def plot_pareto(rows: Sequence[SummaryRow], path: str | Path, x: str = "fraction", y: str = "score") -> None:
+    """Quality vs cost: one panel per dataset (and the all-QA average), one line per strategy across ratios.
 
     Args:
         x: "fraction" (mean recompute fraction) or "ttft" (mean time to first token).
+        y: "score" (relative to full, %; a panel where full scores 0 throughout, so that is undefined, shows
+            fidelity instead, titled accordingly), "fidelity" (F1 against full's answer, %; with a weak model
+            the gold score is noisy and fidelity isolates what the strategy changed) or "kl" (lower is better).
     """
     if x not in ("fraction", "ttft"):
         raise ValueError(f"pareto x axis must be 'fraction' or 'ttft', got {x!r}")
+    if y not in PARETO_Y:
+        raise ValueError(f"pareto y axis must be one of {', '.join(PARETO_Y)}, got {y!r}")
     import matplotlib
 
     matplotlib.use("Agg", force=True)
@@ -188,7 +204,7 @@ def plot_pareto(rows: Sequence[SummaryRow], path: str | Path, x: str = "fraction
         panel_rows = [r for r in rows if r.dataset == ds]
         # y: score relative to full; when full scores 0 on the whole panel (tiny models) that is undefined
         # everywhere, so the panel shows fidelity to the full answer instead, and says so.
-        use_fid = not any(math.isfinite(r.rel_full_pct) for r in panel_rows)
+        use_fid = y == "score" and not any(math.isfinite(r.rel_full_pct) for r in panel_rows)
         missing = plotted = 0
         for j, s in enumerate(strategies):
             pts = sorted((r for r in panel_rows if r.strategy == s),
@@ -196,7 +212,7 @@ def plot_pareto(rows: Sequence[SummaryRow], path: str | Path, x: str = "fraction
             xs, ys, labels = [], [], []
             for r in pts:
                 xv = r.recompute_fraction * 100 if x == "fraction" else r.ttft_s
-                yv = r.fidelity * 100 if use_fid else r.rel_full_pct
+                yv = pareto_y(r, y, use_fid)
                 if math.isfinite(xv) and math.isfinite(yv):
                     xs.append(xv)
                     ys.append(yv)
@@ -211,15 +227,15 @@ def plot_pareto(rows: Sequence[SummaryRow], path: str | Path, x: str = "fraction
             if len(xs) > 1:
                 for xv, yv, lab in zip(xs, ys, labels):
                     ax.annotate(lab, (xv, yv), textcoords="offset points", xytext=(4, 4), fontsize=7)
-        ax.axhline(100.0, color="gray", linewidth=0.8, linestyle=":")
+        ax.axhline(0.0 if y == "kl" else 100.0, color="gray", linewidth=0.8, linestyle=":")
         ax.set_title(ds if not use_fid else f"{ds} (full scores 0: fidelity shown)", fontsize=10)
         ax.set_xlabel("recompute fraction (%)" if x == "fraction" else "mean TTFT (s)")
-        ax.set_ylabel("fidelity to full answer (%)" if use_fid else "score relative to full (%)")
+        ax.set_ylabel(PARETO_Y["fidelity" if use_fid else y])
         ax.grid(True, alpha=0.3)
         if missing:
             ax.text(0.02, 0.02, f"{missing} point(s) undefined", transform=ax.transAxes, fontsize=7, color="gray")
         if plotted:
-            ax.legend(fontsize=8, loc="lower right")
+            ax.legend(fontsize=8, loc="upper right" if y == "kl" else "lower right")
     for k in range(len(panels), nrows * cols):
         axes[k // cols][k % cols].axis("off")
     fig.tight_layout()
@@ -228,7 +244,7 @@ def plot_pareto(rows: Sequence[SummaryRow], path: str | Path, x: str = "fraction
 
 
 def write_report(records: Sequence[dict[str, Any]], out_dir: str | Path, seed: int = 0,
-                 pareto_x: str = "fraction") -> tuple[list[SummaryRow], str]:
+                 pareto_x: str = "fraction", pareto_y: str = "score") -> tuple[list[SummaryRow], str]:
     """Writes summary.csv, summary.md and pareto.png into `out_dir`; returns the rows and the markdown."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -236,5 +252,5 @@ def write_report(records: Sequence[dict[str, Any]], out_dir: str | Path, seed: i
     md = to_markdown(rows)
     write_csv(rows, out / "summary.csv")
     (out / "summary.md").write_text(md, encoding="utf-8")
-    plot_pareto(rows, out / "pareto.png", x=pareto_x)
+    plot_pareto(rows, out / "pareto.png", x=pareto_x, y=pareto_y)
     return rows, md

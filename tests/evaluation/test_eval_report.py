@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from kvfuse.evaluation.report import ALL_QA, summarize, to_markdown, write_report
+from kvfuse.evaluation.report import ALL_QA, PARETO_Y, pareto_y, plot_pareto, summarize, to_markdown, write_report
 
 
 def _rec(ds, ex, strategy, ratio, score, fid=1.0, kl=0.0, ttft=0.1, frac=0.0, metric="f1"):
@@ -81,3 +81,18 @@ def test_write_report_files(tmp_path, records):
 def test_empty_records_still_write(tmp_path):
     rows, md = write_report([], tmp_path)
     assert rows == [] and md.count("\n") == 2
+
+
+def test_pareto_y_axis_choices(tmp_path, records):
+    rows = summarize(records)
+    cb = next(r for r in rows if (r.dataset, r.strategy, r.ratio) == ("qa1", "cacheblend", 0.15))
+    assert pareto_y(cb, "score") == pytest.approx(cb.rel_full_pct)
+    assert pareto_y(cb, "fidelity") == pytest.approx(100 * cb.fidelity)
+    assert pareto_y(cb, "kl") == pytest.approx(cb.kl)
+    assert pareto_y(cb, "score", use_fid=True) == pytest.approx(100 * cb.fidelity)
+    assert len({pareto_y(cb, y) for y in PARETO_Y}) == 3  # the three axes really differ on this row
+    for y in PARETO_Y:
+        write_report(records, tmp_path / y, pareto_y=y)
+        assert (tmp_path / y / "pareto.png").read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(ValueError, match="pareto y axis"):
+        plot_pareto(rows, tmp_path / "bad.png", y="f1")
