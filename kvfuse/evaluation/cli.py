@@ -69,6 +69,9 @@ def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--pareto-y", choices=("score", "fidelity", "kl"), default="score", dest="pareto_y",
                    help="y axis of pareto.png: gold score relative to full, fidelity to full's answer, or KL to "
                         "full (default: score)")
+    p.add_argument("--report-only", action="store_true", dest="report_only",
+                   help="run nothing: rewrite the report from the records already in --out for the selected "
+                        "examples and configs (those not on record are left out and counted)")
     p.add_argument("--smoke", action="store_true",
                    help="tiny end-to-end check (SmolLM2, 2 bundled examples, full,reuse,cacheblend,epic at 0.15, "
                         "8 new tokens); exits non-zero when any check fails")
@@ -143,6 +146,7 @@ def _resolve(args: argparse.Namespace) -> dict[str, Any]:
         "pareto_x": getattr(args, "pareto_x", None) or "fraction",
         "pareto_y": getattr(args, "pareto_y", None) or "score",
         "progress": not getattr(args, "no_progress", False),
+        "report_only": bool(getattr(args, "report_only", False)),
     }
 
 
@@ -188,15 +192,23 @@ def run_eval(args: argparse.Namespace, engine_factory: Any = None) -> int:
     runner = make_runner()
     if runner.store.bad_lines:
         print(f"warning: skipped {runner.store.bad_lines} unreadable line(s) of {runner.store.path}", file=sys.stderr)
-    stats = runner.run(examples, configs)
-    (out / "run_stats.json").write_text(json.dumps(stats.as_dict(), indent=2), encoding="utf-8")
-    print(stats.describe(), file=sys.stderr)
+    if opt["report_only"]:
+        if opt["smoke"]:
+            raise ValueError("--report-only and --smoke do not combine")
+    else:
+        stats = runner.run(examples, configs)
+        (out / "run_stats.json").write_text(json.dumps(stats.as_dict(), indent=2), encoding="utf-8")
+        print(stats.describe(), file=sys.stderr)
 
     # example x config order: the report lists strategies in the order they were asked for (full first)
     keys = [record_key(e.id, c.strategy, c.ratio, opt["model"], opt["max_new_tokens"], opt["prompt"])
             for e in examples
             for c in configs]
     records = [runner.store.get(k) for k in keys if runner.store.get(k) is not None]
+    if opt["report_only"]:
+        if not records:
+            raise ValueError(f"--report-only: none of the selected runs is on record in {out / 'records.jsonl'}")
+        print(f"report only: {len(records)} of {len(keys)} selected runs on record", file=sys.stderr)
     rows, md = write_report(records, out, seed=opt["seed"], pareto_x=opt["pareto_x"],
                              pareto_y=opt["pareto_y"])
     print(md)

@@ -100,3 +100,26 @@ def test_bad_smoke_input_leaves_no_temporary_folder(tmp_path, monkeypatch):
         with pytest.raises(ValueError):
             run_eval(parse(*argv), engine_factory=FakeEngine)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_report_only_runs_nothing_and_reports_what_is_on_record(tmp_path, capsys):
+    from kvfuse.evaluation.data import smoke_data_path
+
+    data = str(smoke_data_path())
+    common = ("--data", data, "--out", str(tmp_path), "--no-progress", "--max-new-tokens", "4")
+    assert run_eval(parse(*common, "--strategies", "reuse,cacheblend", "--ratios", "0.15"),
+                    engine_factory=FakeEngine) == 0
+    stats_before = (tmp_path / "run_stats.json").read_text()
+    capsys.readouterr()
+    # ratio 0.3 was never run: it is left out (not computed), and the rest is reported
+    args = parse(*common, "--strategies", "reuse,cacheblend", "--ratios", "0.15,0.3", "--report-only",
+                 "--pareto-y", "kl")
+    assert run_eval(args, engine_factory=lambda: pytest.fail("report-only must not load an engine")) == 0
+    out = capsys.readouterr()
+    assert "report only: 9 of 12 selected runs on record" in out.err
+    md = (tmp_path / "summary.md").read_text()
+    assert "| cacheblend | 0.15 |" in md and "| cacheblend | 0.3 |" not in md
+    assert (tmp_path / "run_stats.json").read_text() == stats_before  # the run's own stats are kept
+    with pytest.raises(ValueError, match="none of the selected runs"):
+        run_eval(parse("--data", data, "--out", str(tmp_path), "--max-new-tokens", "8", "--report-only"),
+                 engine_factory=FakeEngine)  # another token budget: nothing of it is on record
