@@ -201,7 +201,8 @@ def run_eval(args: argparse.Namespace, engine_factory: Any = None) -> int:
         print(stats.describe(), file=sys.stderr)
 
     # example x config order: the report lists strategies in the order they were asked for (full first)
-    keys = [record_key(e.id, c.strategy, c.ratio, opt["model"], opt["max_new_tokens"], opt["prompt"])
+    keys = [record_key(e.id, c.strategy, c.ratio, opt["model"], opt["max_new_tokens"], opt["prompt"],
+                       opt["dtype"])
             for e in examples
             for c in configs]
     records = [runner.store.get(k) for k in keys if runner.store.get(k) is not None]

@@ -120,14 +120,16 @@ def build_configs(strategies: Sequence[str], ratios: Sequence[float]) -> list[Co
 
 
 def record_key(example_id: str, strategy: str, ratio: float, model: str, max_new_tokens: int,
-               prompt: str = "qa") -> tuple:
-    """The resume key of one run."""
-    return (str(example_id), str(strategy), f"{float(ratio):.4f}", str(model), int(max_new_tokens), str(prompt))
+               prompt: str = "qa", dtype: str | None = None) -> tuple:
+    """The resume key of one run. `dtype` is the requested engine dtype (None: the engine's default), so an fp32
+    rerun into the same folder runs again instead of being served the bf16 records."""
+    dt = "" if dtype is None else str(dtype).lower().removeprefix("torch.")
+    return (str(example_id), str(strategy), f"{float(ratio):.4f}", str(model), int(max_new_tokens), str(prompt), dt)
 
 
 def _key_of(rec: dict[str, Any]) -> tuple:
     return record_key(rec["example_id"], rec["strategy"], rec["ratio"], rec["model"], rec["max_new_tokens"],
-                      rec.get("prompt", "qa"))
+                      rec.get("prompt", "qa"), rec.get("dtype"))
 
 
 class RecordStore:
@@ -292,7 +294,8 @@ class EvalRunner:
 
     # ------------------------------------------------------------------ helpers
     def key(self, example: Example, cfg: Config) -> tuple:
-        return record_key(example.id, cfg.strategy, cfg.ratio, self.model, self.max_new_tokens, self.prompt)
+        return record_key(example.id, cfg.strategy, cfg.ratio, self.model, self.max_new_tokens, self.prompt,
+                          self.extra.get("dtype"))
 
     def pending(self, examples: Iterable[Example], configs: Sequence[Config]) -> int:
         return sum(self.key(ex, c) not in self.store for ex in examples for c in configs)

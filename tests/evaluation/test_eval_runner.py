@@ -193,3 +193,15 @@ def test_attach_corpus_groups_each_examples_passages(examples):
             assert bool(found) == bool(every - banned)
             with_neighbours += bool(found)
     assert with_neighbours > 0
+
+
+def test_requested_dtype_keys_the_resume(tmp_path, examples):
+    configs = build_configs(["reuse"], [0.15])
+    _runner(tmp_path, Factory(), warmup=False).run(examples, configs)
+    fp32 = _runner(tmp_path, Factory(), warmup=False, extra={"dtype": "float32"})
+    stats = fp32.run(examples, configs)  # the default-dtype records are not served to an fp32 run
+    assert stats.executed == stats.total and stats.skipped == 0
+    assert {r.get("dtype") for r in RecordStore(tmp_path).all()} == {None, "float32"}
+    again = _runner(tmp_path, Factory(), warmup=False, extra={"dtype": "torch.float32"}).run(examples, configs)
+    assert again.executed == 0 and again.skipped == again.total
+    assert record_key("e", "full", 1.0, "m", 8) != record_key("e", "full", 1.0, "m", 8, dtype="float32")
