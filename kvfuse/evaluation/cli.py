@@ -124,6 +124,8 @@ def _resolve(args: argparse.Namespace) -> dict[str, Any]:
     mnt = int(get("max_new_tokens"))
     if mnt < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {mnt}")
+    if smoke and getattr(args, "report_only", False):
+        raise ValueError("--report-only and --smoke do not combine")
     out = getattr(args, "out", None)
     temporary = out is None and smoke  # created by run_eval once the inputs are validated
     if out is None and not smoke:
@@ -192,10 +194,7 @@ def run_eval(args: argparse.Namespace, engine_factory: Any = None) -> int:
     runner = make_runner()
     if runner.store.bad_lines:
         print(f"warning: skipped {runner.store.bad_lines} unreadable line(s) of {runner.store.path}", file=sys.stderr)
-    if opt["report_only"]:
-        if opt["smoke"]:
-            raise ValueError("--report-only and --smoke do not combine")
-    else:
+    if not opt["report_only"]:
         stats = runner.run(examples, configs)
         (out / "run_stats.json").write_text(json.dumps(stats.as_dict(), indent=2), encoding="utf-8")
         print(stats.describe(), file=sys.stderr)

@@ -70,6 +70,7 @@ def test_smoke_mode_reports_failures(tmp_path, capsys):
     (("--smoke", "--max-new-tokens", "0"), "--max-new-tokens"),
     (("--smoke", "--datasets", "nope"), "unknown dataset"),
     (("--smoke", "--strategies", "full,nosuch"), "unknown strategy"),
+    (("--smoke", "--report-only"), "do not combine"),
 ])
 def test_bad_input_is_one_value_error(tmp_path, argv, message):
     with pytest.raises(ValueError, match=message) as ei:
