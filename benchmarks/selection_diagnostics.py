@@ -107,9 +107,9 @@ def main(argv: list[str] | None = None) -> int:
                               return_logprobs=True)
         ckv = engine.context_kv(ex.question, docs)
         dev, value_dev, layout = ckv.relative_deviation(), ckv.value_deviation(), ckv.layout
+        layer_dev.append(ckv.layer_deviation(dev))
+        tok_dev = ckv.token_deviation(dev)  # [D] over layers
         del ckv
-        layer_dev.append(dev.mean(dim=1))
-        tok_dev = dev.sum(0)  # [D] over layers
         doc_start = layout.docs[0].start
         ans = answer_positions(engine, layout, docs, ex.answers)
         n_docs = int(tok_dev.numel())

@@ -50,14 +50,11 @@ class ContextKV:
         every query that attends to it)."""
         return (self.cached_v.float() - self.context_v.float()).norm(dim=-1).mean(-1).cpu()
 
-    def token_deviation(self) -> Tensor:
-        """[T]: relative deviation summed over layers, one score per document row."""
-        return self.relative_deviation().sum(0)
+    def token_deviation(self, dev: Tensor | None = None) -> Tensor:
+        """[T]: relative deviation summed over layers, one score per document row (of `dev` when given, the
+        `relative_deviation()` already computed)."""
+        return (self.relative_deviation() if dev is None else dev).sum(0)
 
-    def layer_deviation(self) -> Tensor:
-        """[n_layers]: relative deviation averaged over the document rows."""
-        return self.relative_deviation().mean(1)
-
-    def to(self, device: torch.device | str) -> ContextKV:
-        return ContextKV(self.layout, *(t.to(device) for t in (self.cached_k, self.cached_v,
-                                                                 self.context_k, self.context_v)))
+    def layer_deviation(self, dev: Tensor | None = None) -> Tensor:
+        """[n_layers]: relative deviation averaged over the document rows (of `dev` when given)."""
+        return (self.relative_deviation() if dev is None else dev).mean(1)
