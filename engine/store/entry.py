@@ -21,6 +21,7 @@ from .keys import LAYOUT_VERSION
 __all__ = ["DocKV", "CorruptEntry", "encode_entry", "decode_entry"]
 
 MAGIC = b"KVFUSE\x00\x01"
+_DTYPES = {"torch.float32", "torch.bfloat16", "torch.float16"}
 
 
 class CorruptEntry(ValueError):
@@ -73,21 +74,31 @@ def encode_entry(key: str, kv: DocKV) -> bytes:
 def decode_entry(key: str, blob: bytes) -> DocKV:
     """Parses and verifies an entry written by `encode_entry` for `key`.
 
+    Total over its input: any bytes that are not exactly such an entry raise CorruptEntry, never another error.
+
     Raises:
         CorruptEntry: on any mismatch.
     """
     if not isinstance(blob, (bytes, bytearray)) or len(blob) < 12 or blob[:8] != MAGIC:
         raise CorruptEntry("bad magic")
     (hlen,) = struct.unpack("<I", blob[8:12])
+    if 12 + hlen > len(blob):
+        raise CorruptEntry("truncated header")
     try:
         header = json.loads(blob[12:12 + hlen].decode())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise CorruptEntry(f"unreadable header: {e}") from None
+    if not isinstance(header, dict):
+        raise CorruptEntry(f"header is a JSON {type(header).__name__}, not an object")
     payload = blob[12 + hlen:]
     if header.get("key") != key:
         raise CorruptEntry("entry belongs to another key")
     if header.get("layout") != LAYOUT_VERSION:
-        raise CorruptEntry(f"layout version {header.get('layout')} != {LAYOUT_VERSION}")
+        raise CorruptEntry(f"layout version {header.get('layout')!r} != {LAYOUT_VERSION}")
+    shape, dtype = header.get("shape"), header.get("dtype")
+    if (not isinstance(shape, list) or len(shape) != 4 or not all(type(n) is int and n >= 0 for n in shape)
+            or dtype not in _DTYPES):
+        raise CorruptEntry("header shape or dtype is malformed")
     if hashlib.sha256(payload).hexdigest() != header.get("sha256"):
         raise CorruptEntry("payload checksum mismatch")
     try:
@@ -95,7 +106,8 @@ def decode_entry(key: str, blob: bytes) -> DocKV:
     except Exception as e:  # safetensors raises its own error types
         raise CorruptEntry(f"unreadable payload: {e}") from None
     k, v = tensors.get("k"), tensors.get("v")
-    if k is None or v is None or list(k.shape) != header["shape"] or str(k.dtype) != header["dtype"]:
+    if k is None or v is None or list(k.shape) != shape or list(v.shape) != shape or str(k.dtype) != dtype \
+            or v.dtype != k.dtype:
         raise CorruptEntry("payload does not match header")
     extras = {n[2:]: t for n, t in tensors.items() if n.startswith("x.")}
     return DocKV(k, v, extras)

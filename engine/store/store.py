@@ -3,10 +3,15 @@
 The id is a handle, the content key is the truth: `lookup(doc_id, key)` serves only an entry stored under
 `key`; when the id was last seen with a different key, the document changed and the lookup counts as
 stale (and as a miss). Memory is checked first, then disk (promoted to memory on a hit).
+
+The id index in memory is an LRU bounded by `id_index_bytes` (ids are handles, not data: forgetting one only
+forgets that its next content change is counted as stale); on disk it is scoped by `id_scope`.
 """
 from __future__ import annotations
 
 import contextlib
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +33,9 @@ class StoreStats:
     evictions: int = 0
     memory_bytes: int = 0
     memory_entries: int = 0
+    disk_errors: int = 0  # disk-tier operations that failed on the folder (served from memory / recomputed)
+    disk_degraded: int = 0  # 1 while the disk tier is paused after such a failure (or could not be opened)
+    id_index_bytes: int = 0  # approximate bytes of the in-memory document-id index
 
 
 class DocStore:
@@ -40,33 +48,65 @@ class DocStore:
         device: where served entries live (disk entries are moved there).
         pool: a KVPool holding the in-memory tier (entries become views of pool rows).
         pin: keep in-memory entries in pinned host memory (a host tier feeding a GPU).
+        id_scope: namespaces document-id rows on disk (model, tokenizer, dtype and prompt prefix).
+        id_index_bytes: bound of the in-memory document-id index.
+        disk_retry_s: how long a failed disk tier is left alone before it is tried again.
+        validate: `validate(kv, length)` raises CorruptEntry for an entry read from disk that the model can't
+            use (wrong layer/head shape, dtype, length or extras), which is then dropped and recomputed.
     """
+
+    _ID_OVERHEAD = 200  # bytes per id index entry besides the id itself (dict slot, two str objects)
 
     def __init__(self, memory_budget_bytes: int, disk_dir: str | Path | None = None,
                  disk_budget_bytes: int = 20 << 30, device="cpu", pool: KVPool | None = None,
-                 pin: bool = False) -> None:
+                 pin: bool = False, id_scope: str = "", id_index_bytes: int = 16 << 20,
+                 disk_retry_s: float = 60.0, validate: Callable[[DocKV, int | None], None] | None = None) -> None:
         self.memory = MemoryTier(memory_budget_bytes, pool)
-        self.disk = DiskTier(disk_dir, disk_budget_bytes) if disk_dir is not None else None
+        self.disk = (DiskTier(disk_dir, disk_budget_bytes, id_scope=id_scope, retry_s=disk_retry_s)
+                     if disk_dir is not None else None)
         self.device = device
         self.pin = pin
-        self._ids: dict[str, str] = {}
+        self._ids: OrderedDict[str, str] = OrderedDict()
+        self._ids_bytes = 0
+        self.id_index_budget = int(id_index_bytes)
         self.stats = StoreStats()
+        self.validate = validate
+
+    def _remember(self, doc_id: str, key: str) -> None:
+        """Records doc_id -> key in the bounded in-memory index (least recently used ids are forgotten)."""
+        old = self._ids.pop(doc_id, None)
+        if old is not None:
+            self._ids_bytes -= len(doc_id) + self._ID_OVERHEAD
+        cost = len(doc_id) + self._ID_OVERHEAD
+        if cost > self.id_index_budget:
+            return
+        while self._ids and self._ids_bytes + cost > self.id_index_budget:
+            gone, _ = self._ids.popitem(last=False)
+            self._ids_bytes -= len(gone) + self._ID_OVERHEAD
+        self._ids[doc_id] = key
+        self._ids_bytes += cost
 
     def _known_key(self, doc_id: str) -> str | None:
         key = self._ids.get(doc_id)
+        if key is not None:
+            self._ids.move_to_end(doc_id)
         if key is None and self.disk is not None:
             key = self.disk.get_id(doc_id)
         return key
 
-    def lookup(self, doc_id: str | None, key: str) -> DocKV | None:
-        """The entry for `key`, or None (a miss). Counts hits, misses and stale ids."""
+    def lookup(self, doc_id: str | None, key: str, length: int | None = None) -> DocKV | None:
+        """The entry for `key`, or None (a miss). Counts hits, misses and stale ids.
+
+        `length`: the document's token count when known; entries read from disk are checked against it (and
+        the model's shape) by `validate`."""
         if doc_id is not None:
             known = self._known_key(doc_id)
             if known is not None and known != key:
                 self.stats.stale += 1
         kv = self.memory.get(key)
         if kv is None and self.disk is not None:
-            kv = self.disk.get(key)
+            check = None if self.validate is None else (lambda e: self.validate(e, length))
+            kv = self.disk.get(key, check)
             self.stats.corrupt = self.disk.corrupt
             if kv is not None:
                 self.stats.disk_hits += 1
@@ -77,7 +117,7 @@ class DocStore:
             self.touch(key)
             self.stats.hits += 1
             if doc_id is not None:
-                self._ids[doc_id] = key
+                self._remember(doc_id, key)
         return kv
 
     @contextlib.contextmanager
@@ -116,7 +156,7 @@ class DocStore:
         if self.disk is not None:
             self.disk.put(key, kv)
         if doc_id is not None:
-            self._ids[doc_id] = key
+            self._remember(doc_id, key)
             if self.disk is not None:
                 self.disk.set_id(doc_id, key)
         return served
@@ -126,6 +166,9 @@ class DocStore:
         s.evictions = self.memory.evictions
         s.memory_bytes = self.memory.used
         s.memory_entries = len(self.memory)
+        s.id_index_bytes = self._ids_bytes
+        if self.disk is not None:
+            s.corrupt, s.disk_errors, s.disk_degraded = self.disk.corrupt, self.disk.errors, int(self.disk.degraded)
         return StoreStats(**vars(s))
 
     def close(self) -> None:

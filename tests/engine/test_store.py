@@ -15,6 +15,8 @@ def _kv(length: int, seed: int = 0, layers: int = 2) -> DocKV:
     return DocKV(torch.randn(layers, length, 2, 8, generator=g), torch.randn(layers, length, 2, 8, generator=g))
 
 
+K_A, OLD, NEW = "a" * 64, "0" * 64, "1" * 64  # content keys are sha256 hex digests
+
 NS = Namespace(model="m1", tokenizer="t1", dtype="torch.float32")
 
 
@@ -63,28 +65,28 @@ def test_entry_roundtrip_and_verification():
 def test_disk_tier_persists_and_rebuilds_corrupt_entries(tmp_path):
     store = DocStore(memory_budget_bytes=1 << 20, disk_dir=tmp_path)
     kv = _kv(6)
-    store.put("doc-a", "k-a", kv)
+    store.put("doc-a", K_A, kv)
     store.close()
 
     fresh = DocStore(memory_budget_bytes=1 << 20, disk_dir=tmp_path)  # a new process: memory is empty
-    got = fresh.lookup("doc-a", "k-a")
+    got = fresh.lookup("doc-a", K_A)
     assert got is not None and torch.equal(got.k, kv.k)
     assert fresh.stats.disk_hits == 1 and fresh.stats.hits == 1
 
-    blob = bytearray(fresh.disk.raw_get("k-a"))
+    blob = bytearray(fresh.disk.raw_get(K_A))
     blob[-3] ^= 0x55  # corrupt the payload on disk
-    fresh.disk.raw_set("k-a", bytes(blob))
+    fresh.disk.raw_set(K_A, bytes(blob))
     fresh.memory.clear()
-    assert fresh.lookup("doc-a", "k-a") is None  # detected: a miss, never served
+    assert fresh.lookup("doc-a", K_A) is None  # detected: a miss, never served
     assert fresh.stats.corrupt == 1 and fresh.stats.misses == 1
-    assert fresh.disk.raw_get("k-a") is None  # the bad entry was removed so it gets rebuilt
-    fresh.put("doc-a", "k-a", kv)
-    assert fresh.lookup("doc-a", "k-a") is not None
+    assert fresh.disk.raw_get(K_A) is None  # the bad entry was removed so it gets rebuilt
+    fresh.put("doc-a", K_A, kv)
+    assert fresh.lookup("doc-a", K_A) is not None
 
 
 def test_changed_content_under_same_id_is_stale_not_served():
     store = DocStore(memory_budget_bytes=1 << 20)
-    store.put("doc", "old-key", _kv(3))
-    assert store.lookup("doc", "new-key") is None
+    store.put("doc", OLD, _kv(3))
+    assert store.lookup("doc", NEW) is None
     assert store.stats.stale == 1 and store.stats.misses == 1
-    assert store.lookup("doc", "old-key") is not None  # the old content is still valid under its own key
+    assert store.lookup("doc", OLD) is not None  # the old content is still valid under its own key
