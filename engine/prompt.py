@@ -7,12 +7,14 @@ order); the tail holds the question, the end of the user turn and the assistant 
 """
 from __future__ import annotations
 
+import string
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from .types import Document
+from .validate import check_text
 
 __all__ = ["PROMPT_PRESETS", "PromptFormat", "PromptBuilder", "PromptLayout", "Span"]
 
@@ -34,6 +36,31 @@ class PromptFormat:
     instruction: str = "Answer the question using the documents below.\n\n"
     doc_suffix: str = "\n\n"
     question_template: str = "Question: {question}\nAnswer concisely."
+
+    def __post_init__(self) -> None:
+        if self.system_prompt is not None:
+            check_text(self.system_prompt, "PromptFormat.system_prompt", allow_empty=True)
+        check_text(self.instruction, "PromptFormat.instruction", allow_empty=True)
+        check_text(self.doc_suffix, "PromptFormat.doc_suffix", allow_empty=True)
+        _check_question_template(check_text(self.question_template, "PromptFormat.question_template",
+                                            allow_empty=True))
+
+
+def _check_question_template(template: str) -> None:
+    """The template must hold the plain field `{question}` (at least once) and no other field; literal braces are
+    written `{{` and `}}`."""
+    what = f"PromptFormat.question_template {template!r}"
+    try:
+        fields = [(name, conv, spec) for _, name, spec, conv in string.Formatter().parse(template) if name is not None]
+    except ValueError as e:  # unbalanced braces
+        raise ValueError(f"{what} is not a valid format string ({e}); write literal braces as {{{{ and }}}}") from None
+    for name, conv, spec in fields:
+        if name != "question" or conv or spec:
+            field = "{" + name + (f"!{conv}" if conv else "") + (f":{spec}" if spec else "") + "}"
+            raise ValueError(f"{what} has the field {field}; only {{question}} is allowed (write literal braces as "
+                             f"{{{{ and }}}})")
+    if not fields:
+        raise ValueError(f"{what} has no {{question}} field: the question would be dropped from the prompt")
 
 
 _SHORT = "Answer the question based on the given passages. Only give me the answer and do not output any other words."

@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .validate import check_real, check_seed
+
 __all__ = ["Sampler"]
 
 
@@ -17,22 +19,24 @@ class Sampler:
     """
 
     def __init__(self, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None) -> None:
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
-        if not 0 < top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-        self.temperature = temperature
-        self.top_p = top_p
+        self.temperature = check_real(temperature, "temperature", low=0.0)
+        self.top_p = check_real(top_p, "top_p", low=0.0, high=1.0, low_open=True)
+        seed = check_seed(seed)
         self.gen = torch.Generator(device="cpu")
-        self.gen.manual_seed(0 if seed is None else int(seed))
+        self.gen.manual_seed(0 if seed is None else seed)
 
     def __call__(self, logits: Tensor) -> int:
         if self.temperature == 0:
             return int(torch.argmax(logits))
-        probs = torch.softmax(logits.float().cpu() / self.temperature, dim=-1)
+        logits = logits.float().cpu()
+        # shifted so the largest is 0 and the divisor kept a normal float32: a tiny temperature sends the others to
+        # -inf (greedy in effect), never the top one to inf or 0/0 (nan)
+        t = max(self.temperature, torch.finfo(torch.float32).tiny)
+        probs = torch.softmax((logits - logits.max()) / t, dim=-1)
         if self.top_p < 1:
             sorted_p, order = torch.sort(probs, descending=True)
             keep = torch.cumsum(sorted_p, 0) - sorted_p < self.top_p
+            keep[0] = True  # the most likely token is always in the nucleus (a top_p below float32's range too)
             sorted_p = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
             return int(order[torch.multinomial(sorted_p / sorted_p.sum(), 1, generator=self.gen)])
         return int(torch.multinomial(probs, 1, generator=self.gen))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from importlib import resources
@@ -19,6 +20,7 @@ class CliError(Exception):
 
 
 def _engine(args):
+    _check_model_args(args)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from kvfuse.engine.api import FusionEngine
 
@@ -58,32 +60,133 @@ def _strategy(args: argparse.Namespace) -> str:
     return args.strategy or DEFAULT_STRATEGY
 
 
-def _load_docs(path: str) -> list[dict]:
-    """Documents from JSON or JSONL: objects with id/text (title optional), or eval records with passages."""
-    p = Path(path)
-    if not p.is_file():
-        raise CliError(f"no such file: {path}")
-    text = p.read_text(encoding="utf-8")
+def _kind(value) -> str:
+    """A JSON value's kind, for messages."""
+    names = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number",
+             float: "a number", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _parse_json(text: str, where: str, line_offset: int = 0):
     try:
-        if p.suffix == ".jsonl":
-            rows = [json.loads(line) for line in text.splitlines() if line.strip()]
-        else:
-            data = json.loads(text)
-            rows = data.get("documents", []) if isinstance(data, dict) else data
+        return json.loads(text, parse_constant=_reject_constant)
     except json.JSONDecodeError as e:
-        raise CliError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+        raise CliError(f"{where}: not valid JSON ({e.msg} at line {e.lineno + line_offset} column {e.colno})"
+                       ) from None
+    except ValueError as e:  # NaN / Infinity
+        raise CliError(f"{where}: not valid JSON ({e})") from None
+    except RecursionError:
+        raise CliError(f"{where}: not valid JSON (nested too deeply)") from None
+
+
+def _load_docs(path: str) -> list[dict]:
+    """Documents from JSON or JSONL: objects with id/text (title optional), or eval records with passages.
+
+    Everything is checked here, before any model is loaded: a problem is one CliError naming the file, the line
+    (JSONL, counting every line of the file) or the item (JSON), and what is wrong. A document id used twice must
+    carry the same text both times (else one of them would be silently dropped).
+    """
+    from kvfuse.engine.types import Document
+
+    p = Path(path)
+    if not p.exists():
+        raise CliError(f"no such file: {path}")
+    if not p.is_file():
+        raise CliError(f"{path}: not a regular file")
+    try:
+        raw = p.read_bytes()
+    except OSError as e:
+        raise CliError(f"{path}: cannot read it ({e.strerror})") from None
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise CliError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start})") from None
+    rows: list[tuple[str, object]] = []
+    if p.suffix.lower() in (".jsonl", ".ndjson"):
+        for n, line in enumerate(text.split("\n"), 1):  # only \n ends a record: U+2028 & co. are legal in JSON
+            if line.strip():
+                rows.append((f"{path}:{n}", _parse_json(line, f"{path}:{n}", line_offset=n - 1)))
+    else:
+        data = _parse_json(text, path)
+        if isinstance(data, dict) and "documents" in data:
+            data, what = data["documents"], "'documents'"
+        else:
+            what = "the top level"
+        if not isinstance(data, list):
+            raise CliError(f"{path}: {what} must be a list of documents or records (or an object with a "
+                           f"'documents' list), got {_kind(data)}")
+        rows = [(f"{path}: item {i + 1}", r) for i, r in enumerate(data)]
     docs: dict[str, dict] = {}
-    for i, r in enumerate(rows):
+    first_seen: dict[str, str] = {}
+    for where, r in rows:
         if not isinstance(r, dict):
-            raise CliError(f"{path}: record {i + 1} is not an object")
-        for d in r.get("passages", [r]):
+            raise CliError(f"{where}: expected an object (id/text, or a record with passages), got {_kind(r)}")
+        if "passages" in r:
+            passages = r["passages"]
+            if not isinstance(passages, list):
+                raise CliError(f"{where}: 'passages' must be a list, got {_kind(passages)}")
+            items = [(f"{where}: passage {j + 1}", d) for j, d in enumerate(passages)]
+        else:
+            items = [(where, r)]
+        for w, d in items:
+            if not isinstance(d, dict):
+                raise CliError(f"{w}: expected an object with id/text, got {_kind(d)}")
             if "text" not in d:
-                raise CliError(f"{path}: record {i + 1} has no 'text' (expected id/text or passages)")
-            did = str(d.get("id") or f"{p.stem}-{len(docs)}")
-            docs[did] = {"id": did, "text": d["text"], "title": d.get("title", "")}
+                raise CliError(f"{w}: has no 'text' (expected id/text, or records with passages)")
+            text, title, did = d["text"], d.get("title") or "", d.get("id")
+            if not isinstance(text, str):
+                raise CliError(f"{w}: 'text' must be a string, got {_kind(text)}")
+            if not isinstance(title, str):
+                raise CliError(f"{w}: 'title' must be a string, got {_kind(title)}")
+            if did is None or did == "":
+                did = f"{p.stem}-{len(docs)}"
+            elif isinstance(did, bool) or not isinstance(did, (str, int, float)):
+                raise CliError(f"{w}: 'id' must be a string or a number, got {_kind(did)}")
+            did = str(did)
+            try:
+                Document(did, f"{title}\n{text}" if title else text)  # the engine's own checks, now
+            except ValueError as e:
+                raise CliError(f"{w}: {e}") from None
+            doc = {"id": did, "text": text, "title": title}
+            if did in docs and docs[did] != doc:
+                raise CliError(f"{w}: document id {did!r} is also used by {first_seen[did]} with a different text")
+            docs[did] = doc
+            first_seen.setdefault(did, w)
     if not docs:
         raise CliError(f"{path}: no documents found")
     return list(docs.values())
+
+
+def _check_model_args(args) -> None:
+    """Checks the model options that can be checked without loading anything."""
+    from kvfuse.engine.validate import check_dir_path
+
+    cache_dir = getattr(args, "cache_dir", None)
+    if cache_dir is not None:
+        check_dir_path(Path(cache_dir).expanduser(), "--cache-dir")
+    elif os.environ.get("KVFUSE_CACHE_DIR"):
+        check_dir_path(Path(os.environ["KVFUSE_CACHE_DIR"]).expanduser(), "$KVFUSE_CACHE_DIR")
+    threads = getattr(args, "threads", None)
+    if threads is not None and threads < 1:
+        raise CliError(f"--threads must be >= 1, got {threads}")
+
+
+def _check_gen_args(args) -> None:
+    """The generation options, checked as the engine will check them, before the model is loaded."""
+    from kvfuse.engine.validate import check_int, check_real
+
+    check_real(args.ratio, "--ratio", low=0.0, high=1.0)
+    check_int(args.max_new_tokens, "--max-new-tokens", minimum=1)
+    check_real(args.temperature, "--temperature", low=0.0)
+    if args.strategy is not None:
+        from kvfuse.engine.fusion import make_strategy
+
+        make_strategy(args.strategy)
 
 
 def cmd_demo(args) -> int:
@@ -91,6 +194,8 @@ def cmd_demo(args) -> int:
 
     data = json.loads(resources.files("kvfuse").joinpath("data/demo.json").read_text(encoding="utf-8"))
     args.no_disk_cache = True
+    _check_model_args(args)
+    _check_gen_args(args)
     print(f"loading {args.model} ...", flush=True)
     engine = _engine(args)
     docs = {d.id: d for d in as_documents(data["documents"])}
@@ -112,6 +217,7 @@ def cmd_demo(args) -> int:
 
 def cmd_precompute(args) -> int:
     docs = _load_docs(args.file)
+    _check_model_args(args)
     engine = _engine(args)
     rep = engine.precompute(docs)
     print(f"{len(docs)} documents: {rep.misses} computed ({rep.tokens} tokens), {rep.hits} already cached; "
@@ -120,6 +226,9 @@ def cmd_precompute(args) -> int:
 
 
 def cmd_ask(args) -> int:
+    from kvfuse.engine.validate import check_text
+
+    check_text(args.question, "the question")
     docs = _load_docs(args.docs) if args.docs else []
     if args.doc_ids:
         wanted = [x for x in args.doc_ids.split(",") if x]
@@ -128,6 +237,8 @@ def cmd_ask(args) -> int:
         if missing:
             raise CliError(f"unknown document ids: {', '.join(missing)}")
         docs = [by_id[x] for x in wanted]
+    _check_model_args(args)
+    _check_gen_args(args)
     engine = _engine(args)
     stream = engine.stream(args.question, docs, strategy=_strategy(args), recompute_ratio=args.ratio,
                            max_new_tokens=args.max_new_tokens, temperature=args.temperature)
@@ -181,18 +292,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _Stderr(logging.Handler):
+    """Prints kvfuse's warnings (a disk cache that degraded, ...) as one line each on the current stderr."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = " ".join(record.getMessage().split("\n"))
+        print(msg if msg.startswith("kvfuse:") else f"kvfuse: warning: {msg}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    logger, handler = logging.getLogger("kvfuse"), _Stderr(logging.WARNING)
+    logger.addHandler(handler)
     try:
         return int(args.func(args) or 0)
-    except (CliError, ValueError, FileNotFoundError, KeyError, RuntimeError) as e:
+    except (CliError, ValueError, OSError, KeyError, RuntimeError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+        msg = " ".join(str(msg).split("\n"))  # one line, whatever the message holds
         print(f"kvfuse: error: {msg}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("kvfuse: interrupted", file=sys.stderr)
         return 130
+    finally:
+        logger.removeHandler(handler)
 
 
 if __name__ == "__main__":

@@ -130,6 +130,10 @@ def _resolve(args: argparse.Namespace) -> dict[str, Any]:
     temporary = out is None and smoke  # created by run_eval once the inputs are validated
     if out is None and not smoke:
         out = DEFAULTS["out"]
+    if out is not None:
+        from kvfuse.engine.validate import check_dir_path
+
+        check_dir_path(out, "--out")  # before any example is read or model loaded
     return {
         "temporary_out": temporary,
         "smoke": smoke,
