@@ -1,6 +1,7 @@
 """FusionEngine: question + documents in, answer out, through cached document KV. No tensor math here."""
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -19,9 +20,11 @@ from .profile import default_doc_profilers, load_profile, reorder_documents
 from .prompt import PromptBuilder, PromptLayout
 from .runner import PrefillOutput, Runner, Segment
 from .sampler import Sampler
-from .store import DocKV, DocStore, Namespace, content_key, fingerprint_tensors
+from .store import CorruptEntry, DocKV, DocStore, Namespace, content_key, fingerprint_tensors
 from .store.pool import KVPool
 from .types import Document, GenerationResult, GenerationStream, PrecomputeReport, as_documents
+from .validate import (check_bool, check_int, check_real, check_stop, check_strategy, check_text,
+                       check_token_ids)
 
 __all__ = ["FusionEngine", "DEFAULT_MODEL"]
 
@@ -61,10 +64,11 @@ class FusionEngine:
         sliding = getattr(hf_model.config, "sliding_window", None) if getattr(
             hf_model.config, "use_sliding_window", True) else None
         self.context_window = min(self.decoder.spec.max_positions, sliding or 1 << 62)
-        self.store = self._make_store()
-        # a plain Lock: a stream holds it across yields and may be consumed (and closed) from another thread
-        self._lock = threading.Lock()
         self._prefix_key = content_key(self.namespace, [], self.prompts.prefix_ids)
+        self.store = self._make_store()
+        # one request computes at a time (runner state, pool scratch rows and CUDA graph buffers are per engine);
+        # held only while computing: a stream's worker holds it, never its reader (see GenerationStream)
+        self._lock = threading.Lock()
         # Offline per-document work some strategies read (see _doc_kvs): extras stored with a document's cache
         # (name -> fn(engine, ids, kv) -> {name: tensor}), cache variants (name -> fn(engine, strategy, doc, ids)
         # -> (DocKV, tokens computed)), and the corpus that neighbour-based variants (fusionrag) search.
@@ -98,13 +102,20 @@ class FusionEngine:
     # -- public API ------------------------------------------------------------------------------------
     def precompute(self, docs: Iterable[Any], strategy: str | Strategy | None = None) -> PrecomputeReport:
         """Computes and stores the caches of documents not stored yet; with `strategy`, also the offline data that
-        strategy reads (its `needs_extras`, e.g. qcfuse's anchors, or its `cache_variant`, e.g. fusionrag's)."""
+        strategy reads (its `needs_extras`, e.g. qcfuse's anchors, or its `cache_variant`, e.g. fusionrag's).
+
+        Raises:
+            ValueError: a document too long for any prompt (prefix + document + the shortest question + one answer
+                token over the context window), naming it; checked for every document before any is computed.
+        """
         docs = as_documents(docs)
         strat = None if strategy is None else make_strategy(strategy)
         with self._lock, self.store.hold():
             t0 = time.perf_counter()
+            doc_ids = self._encode_documents(docs)
+            self._check_documents_fit(docs, doc_ids)  # all of them, before any is computed
             before = self.store.snapshot()
-            _, tokens = self._doc_kvs(docs, strat)
+            _, tokens = self._doc_kvs(docs, strat, doc_ids)
             after = self.store.snapshot()
         return PrecomputeReport(hits=after.hits - before.hits, misses=after.misses - before.misses,
                                 tokens=tokens, seconds=time.perf_counter() - t0)
@@ -126,9 +137,7 @@ class FusionEngine:
         s = self.stream(question, docs, strategy=strategy, recompute_ratio=recompute_ratio,
                         max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop,
                         teacher_ids=teacher_ids, return_logprobs=return_logprobs, **strategy_options)
-        for _ in s:
-            pass
-        return s.result
+        return s._run_inline()  # on this thread: no worker, nothing to cancel
 
     def stream(self, question: str, docs: Iterable[Any] = (), *, strategy: str | Strategy = DEFAULT_STRATEGY,
                recompute_ratio: float = 0.15, max_new_tokens: int = 64, temperature: float = 0.0,
@@ -137,20 +146,26 @@ class FusionEngine:
                **strategy_options: Any) -> GenerationStream:
         """Like `generate`, yielding text deltas; the GenerationResult is `.result` once exhausted.
 
-        Arguments are validated here, before the first delta is asked for.
+        Arguments are validated here, before the first delta is asked for. The request computes on a worker thread
+        started by the first `next()`, into a queue the reader drains (from any thread): requests still run one at
+        a time, but a slow or vanished reader never holds the engine. `close()` (or dropping the stream) cancels
+        the request at the next decode step (finish_reason "cancelled"). Errors, including a prompt over the
+        context window, are raised by `next()`. See GenerationStream.
         """
-        strat = make_strategy(strategy, **strategy_options)
-        if not 0.0 <= float(recompute_ratio) <= 1.0:
-            raise ValueError(f"recompute_ratio must be in [0, 1], got {recompute_ratio}")
-        if max_new_tokens < 1:
-            raise ValueError("max_new_tokens must be >= 1")
+        strat = check_strategy(strategy, strategy_options)
+        recompute_ratio = check_real(recompute_ratio, "recompute_ratio", low=0.0, high=1.0)
+        room = self.context_window - len(self.prompts.prefix_ids) - 1  # beside the prefix and >= 1 question token
+        max_new_tokens = check_int(max_new_tokens, "max_new_tokens", minimum=1, maximum=room)
         sampler = Sampler(temperature, top_p, seed)
+        stop = check_stop(stop)
+        check_bool(return_logprobs, "return_logprobs")
         docs = as_documents(docs)
-        if not isinstance(question, str) or not question.strip():
-            raise ValueError("the question is empty")
-        teacher = None if teacher_ids is None else torch.as_tensor(list(teacher_ids), dtype=torch.long)
-        return GenerationStream(self._generate(question, docs, strat, float(recompute_ratio), max_new_tokens,
-                                               sampler, list(stop or []), teacher, return_logprobs))
+        check_text(question, "the question")
+        teacher = None if teacher_ids is None else torch.as_tensor(check_token_ids(
+            teacher_ids, "teacher_ids", self.decoder.spec.vocab, max_len=room), dtype=torch.long)
+        cancel = threading.Event()
+        return GenerationStream(self._generate(question, docs, strat, recompute_ratio, max_new_tokens,
+                                               sampler, stop, teacher, return_logprobs, cancel), cancel=cancel)
 
     def next_token_logprobs(self, question: str, docs: Iterable[Any], target_ids, *,
                             strategy: str | Strategy = "full", recompute_ratio: float = 0.15) -> torch.Tensor:
@@ -159,15 +174,18 @@ class FusionEngine:
         Returns:
             [T, vocab] float32 on the CPU.
         """
-        strat = make_strategy(strategy)
-        target = torch.as_tensor(list(target_ids), dtype=torch.long)
-        if target.numel() == 0:
-            raise ValueError("target_ids is empty")
+        strat = check_strategy(strategy, {})
+        recompute_ratio = check_real(recompute_ratio, "recompute_ratio", low=0.0, high=1.0)
+        room = self.context_window - len(self.prompts.prefix_ids) - 1  # beside the prefix and >= 1 question token
+        target = torch.as_tensor(check_token_ids(target_ids, "target_ids", self.decoder.spec.vocab, allow_empty=False,
+                                                 max_len=room), dtype=torch.long)
+        docs = as_documents(docs)
+        check_text(question, "the question")
         with self._lock, self.store.hold():
-            docs = as_documents(docs)
-            layout, segs, _ = self._prepare(question, docs, strat)
-            layout, segs, _ = self._reorder(question, docs, strat, recompute_ratio, layout, segs)
-            self._check_length(layout.n + target.numel())
+            doc_ids = self._encode_documents(docs)
+            layout, segs, _ = self._prepare(question, docs, strat, doc_ids, reserve=int(target.numel()))
+            layout, segs, _ = self._reorder(question, docs, strat, recompute_ratio, layout, segs, doc_ids,
+                                            reserve=int(target.numel()))
             out = self.runner.prefill(layout.ids, segs, strat, recompute_ratio, extra_capacity=int(target.numel()))
             rows = [out.logits[None]]
             if target.numel() > 1:
@@ -190,18 +208,20 @@ class FusionEngine:
             raise ValueError("context_kv needs at least one document")
         full, reuse = make_strategy("full"), Reuse()
         with self._lock, self.store.hold():
-            layout, segs, _ = self._prepare(question, docs, full)
-            self._check_length(layout.n)
+            doc_ids = self._encode_documents(docs)
+            layout, segs, _ = self._prepare(question, docs, full, doc_ids)
             start, end = layout.docs[0].start, layout.docs[-1].end
             ctx = self.runner.prefill(layout.ids, segs, full, 1.0, capture=(start, end), want_logits=False).captured
-            _, cached, _ = self._prepare(question, docs, reuse)
+            _, cached, _ = self._prepare(question, docs, reuse, doc_ids)
             alone = [s.kv for s in cached if s.selectable]
             k = torch.cat([kv.k for kv in alone], dim=1)
             v = torch.cat([kv.v for kv in alone], dim=1)
             return ContextKV(layout, k, v, ctx.k.to(k.device), ctx.v.to(v.device))
 
     def cache_stats(self) -> dict[str, int]:
-        """Store counters: hits, misses, stale, disk_hits, corrupt, evictions, memory_bytes, memory_entries."""
+        """Store counters: hits, misses, stale, disk_hits, corrupt (bad disk rows dropped), evictions, memory_bytes,
+        memory_entries, disk_errors (failed disk operations, served from memory or recomputed instead),
+        disk_degraded (1 while the disk tier is paused after a failure), id_index_bytes."""
         return dict(vars(self.store.snapshot()))
 
     def layout(self, question: str, docs: Iterable[Any]) -> PromptLayout:
@@ -223,12 +243,65 @@ class FusionEngine:
             pool = KVPool(spec.n_layers, spec.n_kv_heads, spec.head_dim, max(1, cfg.memory_budget_bytes // row_bytes),
                           scratch, self.dtype, self.device)
         return DocStore(cfg.memory_budget_bytes, cfg.disk_cache_dir, cfg.disk_budget_bytes, device=self.device,
-                        pool=pool, pin=tier == "host" and self.device.type == "cuda")
+                        pool=pool, pin=tier == "host" and self.device.type == "cuda", id_scope=self._prefix_key[:32],
+                        id_index_bytes=cfg.id_index_bytes, disk_retry_s=cfg.disk_retry_s,
+                        validate=self._validate_entry, disk_secret=cfg.cache_secret_bytes())
 
-    def _check_length(self, n: int) -> None:
-        if n > self.context_window:
-            raise ValueError(f"prompt + answer is {n} tokens, over the model's context window of "
-                             f"{self.context_window}")
+    def _validate_entry(self, kv: DocKV, length: int | None) -> None:
+        """Raises CorruptEntry when an entry read from disk can't be this model's cache of `length` tokens
+        (checksums catch damage; this catches a well-formed entry of the wrong shape, dtype or extras)."""
+        spec = self.decoder.spec
+        want = (spec.n_layers, kv.length if length is None else length, spec.n_kv_heads, spec.head_dim)
+        if tuple(kv.k.shape) != want or kv.k.dtype != self.dtype:
+            raise CorruptEntry(f"entry is {tuple(kv.k.shape)} {kv.k.dtype}, the model needs {want} {self.dtype}")
+        for name, t in kv.extras.items():
+            if t.dim() != 1 or t.dtype not in (torch.int32, torch.int64) or (
+                    t.numel() and (int(t.min()) < 0 or int(t.max()) >= kv.length)):
+                raise CorruptEntry(f"extra {name!r} is not a list of token indices of this document")
+
+    def _acquire(self, cancel: threading.Event | None) -> bool:
+        """Takes the engine lock; with `cancel`, gives up (False) once it is set while waiting."""
+        if cancel is None:
+            self._lock.acquire()
+            return True
+        while not self._lock.acquire(timeout=0.05):
+            if cancel.is_set():
+                return False
+        if cancel.is_set():
+            self._lock.release()
+            return False
+        return True
+
+    def _encode_documents(self, docs: list[Document]) -> list[list[int]]:
+        """Each document's token ids (`PromptBuilder.encode_document`): the one tokenization of a request."""
+        return [self.prompts.encode_document(d) for d in docs]
+
+    def _check_documents_fit(self, docs: list[Document], doc_ids: list[list[int]]) -> None:
+        """Raises ValueError naming every document that fits no prompt: prefix + document + the shortest question
+        tail (the question template around an empty question) + 1 answer token over the context window."""
+        fixed = len(self.prompts.prefix_ids) + len(self.prompts.encode_tail("")) + 1
+        over = [(d.id, len(ids)) for d, ids in zip(docs, doc_ids) if fixed + len(ids) > self.context_window]
+        if over:
+            what = _name_documents(over)
+            raise ValueError(f"{what} too long for any prompt: with the prompt's prefix, the shortest question and "
+                             f"one answer token ({fixed} tokens) it is over the model's context window of "
+                             f"{self.context_window} tokens")
+
+    def _check_fits(self, layout: PromptLayout, docs: list[Document], reserve: int) -> None:
+        """Raises ValueError when the prompt + `reserve` answer tokens are over the context window, naming the
+        documents that are too long even alone in it."""
+        n = layout.n + reserve
+        if n <= self.context_window:
+            return
+        fixed = len(layout.prefix) + len(layout.tail) + reserve
+        over = [(d.id, len(sp)) for d, sp in zip(docs, layout.docs) if fixed + len(sp) > self.context_window]
+        if over:
+            raise ValueError(f"{_name_documents(over)} too long: with the prompt's prefix and question "
+                             f"({fixed - reserve} tokens) and {reserve} answer tokens it is over the model's "
+                             f"context window of {self.context_window} tokens")
+        raise ValueError(f"prompt + answer is {n} tokens (prefix {len(layout.prefix)}, {len(layout.docs)} documents "
+                         f"{layout.doc_tokens}, question {len(layout.tail)}, answer {reserve}), over the model's "
+                         f"context window of {self.context_window} tokens")
 
     def _prefix_kv(self) -> DocKV:
         kv = self.store.memory.get(self._prefix_key)
@@ -249,9 +322,11 @@ class FusionEngine:
         segs = [Segment(0, p, self._prefix_kv(), selectable=False), Segment(p, n, None)]
         return self.runner.prefill(full, segs, Reuse(), 0.0, capture=(p, n), want_logits=False).captured
 
-    def _doc_kvs(self, docs: list[Document], strat: Strategy | None = None
+    def _doc_kvs(self, docs: list[Document], strat: Strategy | None = None, doc_ids: list[list[int]] | None = None
                  ) -> tuple[list[tuple[list[int], DocKV]], int]:
         """(ids, cache) per document, computing what is missing; returns also the document tokens computed.
+
+        `doc_ids`: the documents' token ids when already encoded (`_encode_documents`); tokenized here otherwise.
 
         With a strategy: a `cache_variant` it names replaces the plain cache (served by `self.cache_variants`),
         and the extras it names in `needs_extras` are computed once by `self.doc_profilers` and stored with the
@@ -259,15 +334,16 @@ class FusionEngine:
         out, tokens = [], 0
         variant = getattr(strat, "cache_variant", None)
         needs = tuple(getattr(strat, "needs_extras", ()))
-        for d in docs:
-            ids = self.prompts.encode_document(d)
+        if doc_ids is None:
+            doc_ids = self._encode_documents(docs)
+        for d, ids in zip(docs, doc_ids, strict=True):
             if variant:
                 kv, n = self.cache_variants[variant](self, strat, d, ids)
                 out.append((ids, kv))
                 tokens += n
                 continue
             key = content_key(self.namespace, self.prompts.prefix_ids, ids)
-            kv = self.store.lookup(d.id, key)
+            kv = self.store.lookup(d.id, key, len(ids))
             if kv is None:
                 kv = self.store.put(d.id, key, self._compute_doc(ids))
                 tokens += len(ids)
@@ -282,86 +358,111 @@ class FusionEngine:
             out.append((ids, kv))
         return out, tokens
 
-    def _prepare(self, question: str, docs: list[Document], strat: Strategy):
-        """Tokenizes, looks up (computing misses) and returns (layout, segments, seconds spent on misses)."""
+    def _prepare(self, question: str, docs: list[Document], strat: Strategy, doc_ids: list[list[int]] | None = None,
+                 reserve: int = 0):
+        """Lays out the prompt, checks that it and `reserve` answer tokens fit the context window (before any
+        lookup or model work), looks up (computing misses) and returns (layout, segments, seconds spent on misses).
+
+        `doc_ids`: the documents' token ids when already encoded (`_encode_documents`); tokenized here otherwise.
+        """
         t0 = time.perf_counter()
+        if doc_ids is None:
+            doc_ids = self._encode_documents(docs)
+        layout = self.prompts.build(question, doc_ids)
+        self._check_fits(layout, docs, reserve)
         if hasattr(strat, "use_model_profile"):  # e.g. qcfuse's critical layers, found offline per model
             strat.use_model_profile(load_profile(self))
         if strat.uses_cache:
-            pairs, miss_tokens = self._doc_kvs(docs, strat)
-            layout = self.prompts.build(question, [ids for ids, _ in pairs])
+            pairs, miss_tokens = self._doc_kvs(docs, strat, doc_ids)
             segs = [Segment(layout.prefix.start, layout.prefix.end, self._prefix_kv(), selectable=False)]
             segs += [Segment(sp.start, sp.end, kv) for sp, (_, kv) in zip(layout.docs, pairs)]
         else:
             miss_tokens = 0
-            layout = self.prompts.build(question, [self.prompts.encode_document(d) for d in docs])
             segs = [Segment(layout.prefix.start, layout.prefix.end, None, selectable=False)]
             segs += [Segment(sp.start, sp.end, None) for sp in layout.docs]
         segs.append(Segment(layout.tail.start, layout.tail.end, None, selectable=False))
         miss_s = time.perf_counter() - t0 if miss_tokens else 0.0
         return layout, segs, miss_s
 
-    def _reorder(self, question: str, docs: list[Document], strat: Strategy, ratio: float, layout, segs):
+    def _reorder(self, question: str, docs: list[Document], strat: Strategy, ratio: float, layout, segs,
+                 doc_ids: list[list[int]] | None = None, reserve: int = 0):
         """For a strategy with `reorders_documents` (infoflow's reorder): one selection pass over the given order,
         then the prompt again in the order `strat.document_order` asks for. Returns (layout, segs, seconds)."""
         if not getattr(strat, "reorders_documents", False) or len(docs) < 2:
             return layout, segs, 0.0
         t0 = time.perf_counter()
-        ordered = reorder_documents(self.runner, layout, segs, docs, strat, ratio)
-        layout, segs, _ = self._prepare(question, ordered, strat)
+        if doc_ids is None:
+            doc_ids = [d.tolist() for d in layout.doc_ids]
+        order = reorder_documents(self.runner, layout, segs, list(range(len(docs))), strat, ratio)
+        layout, segs, _ = self._prepare(question, [docs[i] for i in order], strat, [doc_ids[i] for i in order],
+                                        reserve)
         return layout, segs, time.perf_counter() - t0
 
     def _generate(self, question: str, docs: list[Document], strat: Strategy, ratio: float, max_new: int,
                   sampler: Sampler, stop: list[str], teacher: torch.Tensor | None = None,
-                  return_logprobs: bool = False) -> Iterator[str]:
+                  return_logprobs: bool = False, cancel: threading.Event | None = None
+                  ) -> Iterator[str]:
+        """Yields the answer's text deltas and returns its GenerationResult, holding the engine lock throughout.
+
+        `cancel` (a stream's): waited on while the lock is busy, and checked before every decode step; once set,
+        decoding ends (finish_reason "cancelled", no final delta, no logprob re-scoring) and the lock is released.
+        Cancelled before the lock was taken: returns None, having computed nothing."""
         extra: dict[str, Any] = {}
-        with self._lock, self.store.hold():
+        if not self._acquire(cancel):
+            return None
+        try:
             t_start = time.perf_counter()
-            before = self.store.snapshot()
-            layout, segs, miss_s = self._prepare(question, docs, strat)
+            doc_ids = self._encode_documents(docs)
             n_teacher = 0 if teacher is None else int(teacher.numel())
-            self._check_length(layout.n + max(max_new, n_teacher))
-            t_prefill = time.perf_counter()
-            layout, segs, reorder_s = self._reorder(question, docs, strat, ratio, layout, segs)
-            out: PrefillOutput = self.runner.prefill(layout.ids, segs, strat, ratio,
-                                                     extra_capacity=max(max_new, n_teacher))
-            token = sampler(out.logits)
-            t_first = time.perf_counter()
-            after = self.store.snapshot()
-            if n_teacher:
-                rows = [out.logits[None]]
-                if n_teacher > 1:
-                    rows.append(self.runner.extend(out.state, teacher[:-1]))
-                    out.state.length = layout.n  # decoding overwrites the teacher rows
-                extra["teacher_logprobs"] = torch.log_softmax(torch.cat(rows).float(), dim=-1).cpu()
-            tokens, text, emitted, finish = [], "", 0, "length"
-            while True:
-                if token in self.eos_ids:
-                    finish = "stop"
-                    break
-                tokens.append(token)
-                text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-                cut = _first_stop(text, stop)
-                if cut is not None:
-                    text, finish = text[:cut], "stop"
-                    break
-                safe = len(text) - _held_back(text, stop)
-                if safe > emitted:
-                    yield text[emitted:safe]
-                    emitted = safe
-                if len(tokens) >= max_new:
-                    break
-                logits = self.runner.extend(out.state, torch.tensor([token]))[0]
-                token = sampler(logits)
-            if len(text) > emitted:
-                yield text[emitted:]
-            t_end = time.perf_counter()
-            if return_logprobs:  # the answer re-scored in one pass, exactly as `teacher_ids` scores
-                rows = [out.logits[None]]
-                if len(tokens) > 1:
-                    out.state.length = layout.n
-                    rows.append(self.runner.extend(out.state, torch.tensor(tokens[:-1])))
-                extra["logprobs"] = torch.log_softmax(torch.cat(rows).float(), dim=-1).cpu()
+            reserve = max(max_new, n_teacher)
+            with self.store.hold(), _on_device(self.device):
+                before = self.store.snapshot()
+                layout, segs, miss_s = self._prepare(question, docs, strat, doc_ids, reserve)
+                t_prefill = time.perf_counter()
+                layout, segs, reorder_s = self._reorder(question, docs, strat, ratio, layout, segs, doc_ids, reserve)
+                out: PrefillOutput = self.runner.prefill(layout.ids, segs, strat, ratio, extra_capacity=reserve)
+                token = sampler(out.logits)
+                t_first = time.perf_counter()
+                after = self.store.snapshot()
+                if n_teacher:
+                    rows = [out.logits[None]]
+                    if n_teacher > 1:
+                        rows.append(self.runner.extend(out.state, teacher[:-1]))
+                        out.state.length = layout.n  # decoding overwrites the teacher rows
+                    extra["teacher_logprobs"] = torch.log_softmax(torch.cat(rows).float(), dim=-1).cpu()
+                tokens, text, emitted, finish = [], "", 0, "length"
+                while True:
+                    if token in self.eos_ids:
+                        finish = "stop"
+                        break
+                    tokens.append(token)
+                    text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+                    cut = _first_stop(text, stop)
+                    if cut is not None:
+                        text, finish = text[:cut], "stop"
+                        break
+                    safe = len(text) - _held_back(text, stop)
+                    if safe > emitted:
+                        yield text[emitted:safe]
+                        emitted = safe
+                    if len(tokens) >= max_new:
+                        break
+                    if cancel is not None and cancel.is_set():  # the reader closed or dropped the stream
+                        finish = "cancelled"
+                        break
+                    logits = self.runner.extend(out.state, torch.tensor([token]))[0]
+                    token = sampler(logits)
+                if len(text) > emitted and finish != "cancelled":
+                    yield text[emitted:]
+                t_end = time.perf_counter()
+                if return_logprobs and finish != "cancelled":  # the answer re-scored in one pass, as `teacher_ids`
+                    rows = [out.logits[None]]
+                    if len(tokens) > 1:
+                        out.state.length = layout.n
+                        rows.append(self.runner.extend(out.state, torch.tensor(tokens[:-1])))
+                    extra["logprobs"] = torch.log_softmax(torch.cat(rows).float(), dim=-1).cpu()
+        finally:
+            self._lock.release()
         return GenerationResult(
             text=text, token_ids=tokens, strategy=strat.name,
             recompute_ratio=1.0 if not strat.uses_cache else (0.0 if strat.ignores_ratio else ratio),
@@ -373,6 +474,18 @@ class FusionEngine:
             stale=after.stale - before.stale, extra=extra,
             recomputed_positions=out.recomputed.tolist() if strat.uses_cache else [],
             doc_spans=[(sp.start, sp.end) for sp in layout.docs])
+
+
+def _on_device(device: torch.device):
+    """Makes `device` the thread's current CUDA device for the block (a stream computes on its own thread)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def _name_documents(docs: list[tuple[str, int]]) -> str:
+    """ "document 'a' (812 tokens) is" / "documents 'a' (812 tokens), 'b' (901 tokens) are each" """
+    if len(docs) == 1:
+        return f"document {docs[0][0]!r} ({docs[0][1]} tokens) is"
+    return "documents " + ", ".join(f"{i!r} ({n} tokens)" for i, n in docs) + " are each"
 
 
 def _first_stop(text: str, stop: list[str]) -> int | None:

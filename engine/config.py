@@ -1,12 +1,14 @@
 """Engine configuration: one frozen dataclass, validated at construction. Units are in the field names."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from .prompt import PromptFormat
+from .validate import check_dir_path
 
 __all__ = ["EngineConfig", "resolve_device", "resolve_dtype"]
 
@@ -52,6 +54,13 @@ class EngineConfig:
         scratch_tokens: rows of the pool reserved for one request's recomputed tokens (0: the context window,
             capped at 32768).
         cuda_graphs: on CUDA, replay repeated prefill signatures and every decode step from CUDA graphs.
+        id_index_bytes: bound of the in-memory document-id -> content-key index (least recently used ids are
+            forgotten beyond it; a forgotten id only loses its stale count).
+        cache_secret: signs disk cache entries with HMAC-SHA256 and serves only entries signed with it, so a
+            process that can write the cache folder but lacks the secret can't plant a well-formed entry of wrong
+            numbers (checksums catch damage, not forgery). Default: $KVFUSE_CACHE_SECRET, or unsigned.
+        disk_retry_s: after the disk tier fails (read-only, full, not a database), caches are kept in memory
+            only for this many seconds before the folder is tried again.
     """
 
     memory_budget_bytes: int = 4 << 30
@@ -61,11 +70,23 @@ class EngineConfig:
     kv_tier: str = "auto"
     scratch_tokens: int = 0
     cuda_graphs: bool = True
+    id_index_bytes: int = 16 << 20
+    disk_retry_s: float = 60.0
+    cache_secret: str | bytes | None = None
+
+    def cache_secret_bytes(self) -> bytes | None:
+        """The disk cache's signing secret: `cache_secret`, else $KVFUSE_CACHE_SECRET, else None (unsigned)."""
+        secret = self.cache_secret if self.cache_secret is not None else os.environ.get("KVFUSE_CACHE_SECRET")
+        if not secret:
+            return None
+        return secret.encode("utf-8") if isinstance(secret, str) else bytes(secret)
 
     def __post_init__(self) -> None:
         if self.kv_tier not in ("auto", "pool", "host"):
             raise ValueError(f"kv_tier must be 'auto', 'pool' or 'host', got {self.kv_tier!r}")
-        if self.memory_budget_bytes < 0 or self.disk_budget_bytes < 0:
+        if self.memory_budget_bytes < 0 or self.disk_budget_bytes < 0 or self.id_index_bytes < 0:
             raise ValueError("cache budgets must be >= 0 bytes")
+        if not self.disk_retry_s >= 0:
+            raise ValueError(f"disk_retry_s must be >= 0 seconds, got {self.disk_retry_s}")
         if self.disk_cache_dir is not None:
-            object.__setattr__(self, "disk_cache_dir", Path(self.disk_cache_dir))
+            object.__setattr__(self, "disk_cache_dir", check_dir_path(self.disk_cache_dir, "disk_cache_dir"))

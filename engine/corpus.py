@@ -180,12 +180,12 @@ class FusionRagVariant:
             picked.append((n, nid))
             total += len(nid)
         if not picked:
-            pairs, tokens = engine._doc_kvs([doc])  # no neighbour: the plain cache
+            pairs, tokens = engine._doc_kvs([doc], None, [ids])  # no neighbour: the plain cache
             return pairs[0][1], tokens
         ns = engine.namespace
         base = content_key(ns, prefix, ids)
         key = variant_key(base, self.name, mode, [content_key(ns, prefix, nid) for _, nid in picked])
-        kv = engine.store.lookup(None, key)
+        kv = engine.store.lookup(None, key, len(ids))
         if kv is not None:
             return kv, 0
         picked.reverse()  # least similar first: the most similar neighbour sits right before the document
@@ -207,7 +207,7 @@ class FusionRagVariant:
     def _cached(engine, picked, ids):
         prefix = engine.prompts.prefix_ids
         p = len(prefix)
-        pairs, tokens = engine._doc_kvs([n for n, _ in picked])
+        pairs, tokens = engine._doc_kvs([n for n, _ in picked], None, [nid for _, nid in picked])
         segs = [Segment(0, p, engine._prefix_kv(), selectable=False)]
         pos, all_ids = p, list(prefix)
         for nid, kv in pairs:

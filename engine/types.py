@@ -4,9 +4,14 @@ No tensor math here: plain dataclasses that every layer above the runner can imp
 """
 from __future__ import annotations
 
+import queue
+import threading
+import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
+
+from .validate import check_doc_id, lone_surrogate
 
 __all__ = ["Document", "GenerationResult", "PrecomputeReport", "GenerationStream", "as_documents"]
 
@@ -27,10 +32,16 @@ class Document:
     def __post_init__(self) -> None:
         if not isinstance(self.id, str) or not self.id:
             raise ValueError(f"document id must be a non-empty string, got {self.id!r}")
+        if lone_surrogate(self.id) is not None:
+            raise ValueError(f"document id {self.id!r} contains a lone surrogate (not valid Unicode text)")
         if not isinstance(self.text, str):
             raise ValueError(f"document {self.id!r}: text must be a string, got {type(self.text).__name__}")
         if not self.text.strip():
             raise ValueError(f"document {self.id!r}: text is empty")
+        at = lone_surrogate(self.text)
+        if at is not None:
+            raise ValueError(f"document {self.id!r}: text contains a lone surrogate {self.text[at]!r} at character "
+                             f"{at} (not valid Unicode text)")
 
 
 def as_documents(docs: Iterable[Any]) -> list[Document]:
@@ -43,6 +54,8 @@ def as_documents(docs: Iterable[Any]) -> list[Document]:
         return []
     if isinstance(docs, (str, bytes)):
         raise ValueError("docs must be a list of (id, text) pairs, not a single string")
+    if isinstance(docs, Mapping) or not isinstance(docs, Iterable):
+        raise ValueError(f"docs must be a list of (id, text) pairs, mappings or Documents, got {type(docs).__name__}")
     out: list[Document] = []
     for i, d in enumerate(docs):
         if isinstance(d, Document):
@@ -50,13 +63,17 @@ def as_documents(docs: Iterable[Any]) -> list[Document]:
         elif isinstance(d, Mapping):
             if "text" not in d:
                 raise ValueError(f"docs[{i}]: mapping has no 'text' key")
-            text = d["text"]
-            title = d.get("title") or ""
+            text, title = d["text"], d.get("title")
+            if not isinstance(text, str):
+                raise ValueError(f"docs[{i}]: 'text' must be a string, got {type(text).__name__}")
+            if title is not None and not isinstance(title, str):
+                raise ValueError(f"docs[{i}]: 'title' must be a string, got {type(title).__name__}")
             if title:
                 text = f"{title}\n{text}"
-            out.append(Document(str(d.get("id") or d.get("doc_id") or f"doc-{i}"), text))
+            did = next((d[k] for k in ("id", "doc_id") if d.get(k) not in (None, "")), f"doc-{i}")
+            out.append(Document(check_doc_id(did, f"docs[{i}] id"), text))
         elif isinstance(d, (tuple, list)) and len(d) == 2:
-            out.append(Document(str(d[0]), d[1]))
+            out.append(Document(check_doc_id(d[0], f"docs[{i}] id"), d[1]))
         else:
             raise ValueError(f"docs[{i}]: expected (id, text), a mapping or a Document, got {type(d).__name__}")
     return out
@@ -73,7 +90,9 @@ class GenerationResult:
     token_ids: list[int]
     strategy: str
     recompute_ratio: float
-    finish_reason: str  # "stop" (end-of-turn token or stop string) | "length"
+    # "stop" (end-of-turn token or stop string) | "length" | "cancelled" (a stream closed or dropped before its
+    # end: decoding stopped early, `text` is what was decoded so far and `extra` has no "logprobs")
+    finish_reason: str
     ttft_s: float  # call -> first token's logits (tokenize, lookup, misses, selection, fused prefill)
     prefill_s: float  # fused prefill alone (selection included)
     decode_s: float  # every token after the first
@@ -111,29 +130,108 @@ class PrecomputeReport:
     seconds: float
 
 
+_DELTA, _DONE, _ERROR = "delta", "done", "error"
+
+
 class GenerationStream:
     """Iterator over text deltas; `.result` holds the GenerationResult once exhausted.
 
+    The generator runs on a worker thread of its own, started by the first `next()`. The worker pushes deltas into
+    a queue (at most one per generated token) that the reader drains, from any thread. The engine is thus held
+    for the request's own compute only, never while it waits for a reader: a slow reader, or one that stopped
+    reading, delays no other request. An exception raised by the generator reaches the reader after the deltas
+    that came before it.
+
+    `close()`, and the stream being garbage-collected, set `cancel`: the generator checks it every decode step and
+    ends early (finish_reason "cancelled"). `close()` then waits for the worker (one decode step, or the prefill
+    under way), so the engine is free when it returns, and keeps the worker's GenerationResult in `.result`
+    (None when it was closed before computing began). After `close()`, `next()` raises StopIteration.
+
     Args:
-        gen: a generator that yields `str` deltas and returns the GenerationResult.
+        gen: a generator that yields `str` deltas and returns the GenerationResult (None when cancelled before
+            computing began); it should watch `cancel`.
+        on_close: called once by `close()`.
+        cancel: the event `gen` watches (a new one when None).
     """
 
-    def __init__(self, gen: Iterator[str], on_close: Callable[[], None] | None = None) -> None:
-        self._gen = gen
+    def __init__(self, gen: Iterator[str], on_close: Callable[[], None] | None = None,
+                 cancel: threading.Event | None = None) -> None:
+        self._gen: Iterator[str] | None = gen
         self.result: GenerationResult | None = None
         self._on_close = on_close
+        self.cancel = cancel if cancel is not None else threading.Event()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._outcome: list[Any] = [None]  # the worker's GenerationResult, for close()
+        self._worker: threading.Thread | None = None
+        self._done = False  # exhausted, failed or closed: next() raises StopIteration
+        self._guard = threading.Lock()
+        # the worker holds no reference to the stream, so a dropped stream is collected and cancels its request
+        weakref.finalize(self, self.cancel.set)
 
     def __iter__(self) -> GenerationStream:
         return self
 
     def __next__(self) -> str:
-        try:
-            return next(self._gen)
-        except StopIteration as stop:
-            self.result = stop.value
-            raise
+        with self._guard:
+            if self._done:
+                raise StopIteration
+            if self._worker is None:
+                gen, self._gen = self._gen, None
+                self._worker = threading.Thread(target=_pump, args=(gen, self._queue, self._outcome),
+                                                name="kvfuse-stream-worker", daemon=True)
+                self._worker.start()
+        kind, value = self._queue.get()
+        if kind == _DELTA:
+            return value
+        self._done = True
+        if kind == _DONE:
+            self.result = value
+            raise StopIteration
+        raise value
+
+    def _run_inline(self) -> GenerationResult | None:
+        """Runs the whole generation on the calling thread (no worker, no queue) and returns `.result`.
+
+        For `FusionEngine.generate`; only on a stream that was never iterated."""
+        with self._guard:
+            gen, self._gen = self._gen, None
+            if gen is None or self._done:
+                raise RuntimeError("this stream was already started or closed")
+            self._done = True
+        while True:
+            try:
+                next(gen)
+            except StopIteration as stop:
+                self.result = stop.value
+                return self.result
 
     def close(self) -> None:
-        self._gen.close()
-        if self._on_close:
-            self._on_close()
+        """Cancels the request (if still running), waits for its worker and releases it; idempotent."""
+        self.cancel.set()
+        with self._guard:
+            self._done = True
+            gen, self._gen, worker = self._gen, None, self._worker
+            on_close, self._on_close = self._on_close, None
+        if gen is not None:  # never started: nothing computed, nothing held
+            gen.close()
+        if worker is not None and worker is not threading.current_thread():
+            worker.join()
+            if self.result is None:
+                self.result = self._outcome[0]
+        if on_close:
+            on_close()
+
+
+def _pump(gen: Iterator[str], out: queue.SimpleQueue, outcome: list[Any]) -> None:
+    """The worker of a GenerationStream: runs `gen` to its end, queueing its deltas, result or exception."""
+    try:
+        while True:
+            try:
+                delta = next(gen)
+            except StopIteration as stop:
+                outcome[0] = stop.value
+                out.put((_DONE, stop.value))
+                return
+            out.put((_DELTA, delta))
+    except BaseException as exc:  # re-raised to the reader, after the deltas that came before it
+        out.put((_ERROR, exc))
