@@ -4,6 +4,8 @@ Fixtures:
     tiny_model        factory: tiny_model("qwen2") -> Path of a tiny random HF model folder (built once).
                       Families: fixtures.TINY_FAMILIES = llama, llama3, mistral, qwen2, qwen3.
     tiny_family       parametrised over TINY_FAMILIES (ids = family names); combine with tiny_model.
+    tiny_engine       factory: tiny_engine(family="llama", **EngineConfig fields) -> a fresh fp32 FusionEngine on
+                      the CPU over that tiny family (closed after the test).
     tiny_gguf         Path of a tiny F32 llama GGUF (small BPE tokenizer), for conversion tests.
     smollm2_dir       Path of SmolLM2-135M-Instruct converted to bf16 safetensors (load it with
                       dtype=torch.float32 for exact tests: the bf16 -> fp32 upcast is exact).
@@ -42,6 +44,24 @@ def tiny_model():
 def tiny_family(request) -> str:
     """Each tiny family name in turn."""
     return request.param
+
+
+@pytest.fixture
+def tiny_engine():
+    """Factory: `tiny_engine(family="llama", **config) -> FusionEngine` (fp32, CPU, fresh caches)."""
+    import torch
+
+    made = []
+
+    def factory(family: str = "llama", **config):
+        model, tok, info = fixtures.load_tiny(family, dtype=torch.float32)
+        engine = fixtures.engine_from(model, tok, info, **config)
+        made.append(engine)
+        return engine
+
+    yield factory
+    for e in made:
+        e.close()
 
 
 @pytest.fixture(scope="session")

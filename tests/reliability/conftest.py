@@ -1,5 +1,5 @@
-"""Reliability suite fixtures: fresh tiny engines (fp32, CPU), a reference engine with no disk tier, and
-size-limited / read-only filesystems (tmpfs mounts made by the tests themselves).
+"""Reliability suite fixtures: size-limited / read-only filesystems (tmpfs mounts made by the tests themselves)
+and the fault table. Tiny engines come from tests/conftest.py's `tiny_engine(family="llama", **config)`.
 
 Heavy cases carry `@pytest.mark.heavy`: the README's test command skips them; CI runs them in their own step
 (`pytest -m heavy tests/reliability`).
@@ -7,59 +7,9 @@ Heavy cases carry `@pytest.mark.heavy`: the README's test command skips them; CI
 from __future__ import annotations
 
 import contextlib
-import subprocess
-from pathlib import Path
 
 import pytest
-import torch
-from fixtures import load_tiny
-
-from kvfuse.engine.api import FusionEngine
-from kvfuse.engine.config import EngineConfig
-
-
-def make_engine(model, tok, info, **config) -> FusionEngine:
-    return FusionEngine(model, tok, EngineConfig(**config), model_name=info.name,
-                        model_fingerprint=info.fingerprint, tokenizer_fingerprint=info.tokenizer_fingerprint)
-
-
-@pytest.fixture
-def tiny_engine():
-    """Factory: tiny_engine(family="llama", **EngineConfig fields) -> a fresh fp32 engine on the CPU."""
-    made = []
-
-    def factory(family: str = "llama", **config) -> FusionEngine:
-        model, tok, info = load_tiny(family, dtype=torch.float32)
-        engine = make_engine(model, tok, info, **config)
-        made.append(engine)
-        return engine
-
-    yield factory
-    for e in made:
-        e.close()
-
-
-def _run(*cmd: str) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, capture_output=True, text=True)
-
-
-@contextlib.contextmanager
-def tmpfs(path: Path, size: str):
-    """Mounts a tmpfs of `size` at path for the block (skips the test when this machine can't mount)."""
-    path.mkdir(parents=True, exist_ok=True)
-    r = _run("mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs", str(path))
-    if r.returncode != 0:
-        pytest.skip(f"can't mount a size-limited filesystem here (needs root / CAP_SYS_ADMIN): {r.stderr.strip()}")
-    try:
-        yield path
-    finally:
-        _run("umount", "-l", str(path))
-
-
-def remount(path: Path, mode: str) -> None:
-    """Remounts a tmpfs made by `tmpfs` read-only ("ro") or read-write ("rw")."""
-    r = _run("mount", "-o", f"remount,{mode}", str(path))
-    assert r.returncode == 0, r.stderr
+from reliability_fs import CASE_OF_FILE, COLUMNS, TABLE, row, tmpfs
 
 
 @pytest.fixture
@@ -69,3 +19,52 @@ def mount_tmpfs(tmp_path):
         def factory(size: str = "1m", name: str = "fs") -> Path:
             return stack.enter_context(tmpfs(tmp_path / name, size))
         yield factory
+
+
+# -- the fault table -------------------------------------------------------------------------------------------
+# Each case row counts tries and, per try, what went wrong: wrong answers (tokens differ from the reference),
+# stale serves (log-probabilities differ, or an old text's cache served), lost committed entries, code executed
+# from the cache, hangs. Tests record what they measured and then assert it is zero, so a row can only show a
+# non-zero count next to a failed test. A passing test that records nothing counts as one try of its file's row.
+# The table is printed at the end of the run, and written as JSON to $KVFUSE_RELIABILITY_TABLE when set.
+_RECORDED: set[str] = set()
+
+
+@pytest.fixture
+def tally(request):
+    """tally(case=None, tries=1, wrong=0, stale=0, lost=0, executed=0, hangs=0): records measured outcomes."""
+    default = CASE_OF_FILE.get(request.node.path.name, request.node.path.name)
+
+    def record(case: str | None = None, tries: int = 1, wrong: int = 0, stale: int = 0, lost: int = 0,
+               executed: int = 0, hangs: int = 0) -> None:
+        _RECORDED.add(request.node.nodeid)
+        counts = row(case or default)
+        counts["tries"] += int(tries)
+        for col, n in zip(COLUMNS, (wrong, stale, lost, executed, hangs)):
+            counts[col] += int(n)
+
+    return record
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "call" and report.passed and report.nodeid not in _RECORDED:
+        name = report.nodeid.split("::")[0].rsplit("/", 1)[-1]
+        if name in CASE_OF_FILE:
+            row(CASE_OF_FILE[name])["tries"] += 1
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not TABLE:
+        return
+    import json
+    import os
+
+    lines = ["| case | tries | " + " | ".join(COLUMNS) + " |", "|---" * (len(COLUMNS) + 2) + "|"]
+    for case, counts in TABLE.items():
+        lines.append(f"| {case} | {counts['tries']} | " + " | ".join(str(counts[c]) for c in COLUMNS) + " |")
+    terminalreporter.write_sep("-", "reliability: fault table")
+    for line in lines:
+        terminalreporter.write_line(line)
+    if os.environ.get("KVFUSE_RELIABILITY_TABLE"):
+        with open(os.environ["KVFUSE_RELIABILITY_TABLE"], "w", encoding="utf-8") as f:
+            json.dump(TABLE, f, indent=1)

@@ -11,6 +11,7 @@ import diskcache
 import pytest
 import torch
 from cases import DOCS, QUESTION
+from reliability_fs import compare
 
 from kvfuse.engine.store import content_key
 from kvfuse.engine.store.disk import RawBytesDisk, UnsafeRow
@@ -33,6 +34,16 @@ def _keys(engine):
           for d in DOCS]
     ids = [engine.store.disk._id_name(d[0]) for d in DOCS]
     return kv, ids
+
+
+def _seeded(tiny_engine, tmp_path):
+    """A cache folder holding DOCS, written and closed by one engine: (folder, K/V row names, id row names)."""
+    cache_dir = tmp_path / "kv"
+    first = tiny_engine("llama", disk_cache_dir=cache_dir)
+    first.precompute(DOCS)
+    kv_rows, id_rows = _keys(first)
+    first.close()
+    return cache_dir, kv_rows, id_rows
 
 
 def _reference(tiny_engine):
@@ -67,12 +78,8 @@ def test_raw_bytes_disk_refuses_everything_but_str_keys_and_bytes(tmp_path):
 
 
 @pytest.mark.parametrize("where", ["kv", "id"])
-def test_pickle_set_through_diskcache_is_never_loaded(tiny_engine, tmp_path, where):
-    cache_dir = tmp_path / "kv"
-    first = tiny_engine("llama", disk_cache_dir=cache_dir)
-    first.precompute(DOCS)
-    kv_rows, id_rows = _keys(first)
-    first.close()
+def test_pickle_set_through_diskcache_is_never_loaded(tiny_engine, tmp_path, where, tally):
+    cache_dir, kv_rows, id_rows = _seeded(tiny_engine, tmp_path)
     marker = tmp_path / "pwned"
     attacker = diskcache.Cache(str(cache_dir))  # diskcache's default Disk: it pickles what it is given
     rows = kv_rows if where == "kv" else id_rows
@@ -83,6 +90,7 @@ def test_pickle_set_through_diskcache_is_never_loaded(tiny_engine, tmp_path, whe
 
     engine = tiny_engine("llama", disk_cache_dir=cache_dir)
     r = engine.generate(QUESTION, DOCS, strategy="reuse", max_new_tokens=4, return_logprobs=True)
+    tally(None, len(rows), *compare(r, _reference(tiny_engine)), executed=int(marker.exists()))
     assert not marker.exists(), "a pickle from the cache was loaded"
     _assert_same(r, _reference(tiny_engine))
     stats = engine.cache_stats()
@@ -93,12 +101,8 @@ def test_pickle_set_through_diskcache_is_never_loaded(tiny_engine, tmp_path, whe
     assert (again.cache_hits, again.cache_misses) == (3, 0)  # rebuilt entries are served to the next process
 
 
-def test_rows_switched_to_pickle_mode_and_pickled_keys(tiny_engine, tmp_path):
-    cache_dir = tmp_path / "kv"
-    first = tiny_engine("llama", disk_cache_dir=cache_dir)
-    first.precompute(DOCS)
-    kv_rows, id_rows = _keys(first)
-    first.close()
+def test_rows_switched_to_pickle_mode_and_pickled_keys(tiny_engine, tmp_path, tally):
+    cache_dir, kv_rows, id_rows = _seeded(tiny_engine, tmp_path)
     marker = tmp_path / "pwned"
     evil = pickle.dumps(_Exploit(str(marker)))
     con = sqlite3.connect(cache_dir / "cache.db")
@@ -115,6 +119,7 @@ def test_rows_switched_to_pickle_mode_and_pickled_keys(tiny_engine, tmp_path):
     con.close()
     engine = tiny_engine("llama", disk_cache_dir=cache_dir)
     r = engine.generate(QUESTION, DOCS, strategy="reuse", max_new_tokens=4, return_logprobs=True)
+    tally(None, 4, *compare(r, _reference(tiny_engine)), executed=int(marker.exists()))
     assert not marker.exists()
     _assert_same(r, _reference(tiny_engine))
     assert engine.cache_stats()["corrupt"] == 3 and (r.cache_hits, r.cache_misses) == (1, 2)
@@ -125,11 +130,7 @@ def test_rows_switched_to_pickle_mode_and_pickled_keys(tiny_engine, tmp_path):
 
 
 def test_foreign_file_paths_are_neither_read_nor_deleted(tiny_engine, tmp_path):
-    cache_dir = tmp_path / "kv"
-    first = tiny_engine("llama", disk_cache_dir=cache_dir)
-    first.precompute(DOCS)
-    kv_rows, _ = _keys(first)
-    first.close()
+    cache_dir, kv_rows, _ = _seeded(tiny_engine, tmp_path)
     victim = tmp_path / "precious.txt"
     victim.write_text("keep me")
     con = sqlite3.connect(cache_dir / "cache.db")
@@ -159,3 +160,31 @@ def test_symlinked_value_file_is_refused(tmp_path):
     cache.delete("big")
     assert victim.read_bytes() == b"secret"
     cache.close()
+
+
+def test_cache_secret_refuses_forged_entries(tiny_engine, tmp_path, tally):
+    """A well-formed entry of wrong numbers (right key, shape and checksum) is what a checksum can't catch: with
+    a cache secret it is refused, dropped and rebuilt; without one it would be served (shown here, as the limit)."""
+    from kvfuse.engine.store import decode_entry, encode_entry
+    from kvfuse.engine.store.entry import DocKV
+
+    ref = _reference(tiny_engine)
+    for secret in (None, "s3cret"):
+        folder = tmp_path / f"kv-{secret}"
+        first = tiny_engine("llama", disk_cache_dir=folder, cache_secret=secret)
+        first.precompute(DOCS)
+        key = _keys(first)[0][1][3:]
+        kv = decode_entry(key, first.store.disk.raw_get(key))
+        forged = DocKV(torch.flip(kv.k, dims=[1]).contiguous(), torch.flip(kv.v, dims=[1]).contiguous())
+        first.store.disk.raw_set(key, encode_entry(key, forged))  # signed with no secret: what an attacker can do
+        first.close()
+        engine = tiny_engine("llama", disk_cache_dir=folder, cache_secret=secret)
+        r = engine.generate(QUESTION, DOCS, strategy="reuse", max_new_tokens=4, return_logprobs=True)
+        if secret is None:
+            assert compare(r, ref)[1] == 1  # served: the log-probabilities moved
+            continue
+        tally(None, 1, *compare(r, ref))
+        _assert_same(r, ref)
+        assert engine.cache_stats()["corrupt"] == 1 and r.cache_misses == 1
+        again = tiny_engine("llama", disk_cache_dir=folder, cache_secret=secret)
+        assert again.generate(QUESTION, DOCS, strategy="reuse", max_new_tokens=2).cache_hits == 3
