@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -20,6 +21,8 @@ from .profile import default_doc_profilers, load_profile, reorder_documents
 from .prompt import PromptBuilder, PromptLayout
 from .runner import PrefillOutput, Runner, Segment
 from .sampler import Sampler
+from .registry import DocumentIndex
+from .tracing import set_attributes, span
 from .store import CorruptEntry, DocKV, DocStore, Namespace, content_key, fingerprint_tensors
 from .store.pool import KVPool
 from .types import Document, GenerationResult, GenerationStream, PrecomputeReport, as_documents
@@ -72,6 +75,8 @@ class FusionEngine:
         # Offline per-document work some strategies read (see _doc_kvs): extras stored with a document's cache
         # (name -> fn(engine, ids, kv) -> {name: tensor}), cache variants (name -> fn(engine, strategy, doc, ids)
         # -> (DocKV, tokens computed)), and the corpus that neighbour-based variants (fusionrag) search.
+        # documents seen (precomputed, registered, used), by a fingerprint of their body: found inside chat prompts
+        self.registry = DocumentIndex(self.config.id_index_bytes)
         self.doc_profilers = default_doc_profilers()
         self.cache_variants = default_cache_variants()
         self.corpus = None
@@ -100,7 +105,8 @@ class FusionEngine:
                    tokenizer_fingerprint=info.tokenizer_fingerprint)
 
     # -- public API ------------------------------------------------------------------------------------
-    def precompute(self, docs: Iterable[Any], strategy: str | Strategy | None = None) -> PrecomputeReport:
+    def precompute(self, docs: Iterable[Any], strategy: str | Strategy | None = None, *,
+                   show_progress: bool = False) -> PrecomputeReport:
         """Computes and stores the caches of documents not stored yet; with `strategy`, also the offline data that
         strategy reads (its `needs_extras`, e.g. qcfuse's anchors, or its `cache_variant`, e.g. fusionrag's).
 
@@ -110,13 +116,21 @@ class FusionEngine:
         """
         docs = as_documents(docs)
         strat = None if strategy is None else make_strategy(strategy)
-        with self._lock, self.store.hold():
+        with self._lock, span("kvfuse.precompute", documents=len(docs)) as sp:
             t0 = time.perf_counter()
             doc_ids = self._encode_documents(docs)
             self._check_documents_fit(docs, doc_ids)  # all of them, before any is computed
             before = self.store.snapshot()
-            _, tokens = self._doc_kvs(docs, strat, doc_ids)
+            tokens = 0
+            bar = _progress(len(docs), show_progress, "kvfuse precompute")
+            for i in range(0, len(docs), 16):  # in slices: the bar moves, and only a slice is held from eviction
+                with self.store.hold(), _on_device(self.device):
+                    _, n = self._doc_kvs(docs[i:i + 16], strat, doc_ids[i:i + 16])
+                tokens += n
+                bar.update(len(docs[i:i + 16]))
+            bar.close()
             after = self.store.snapshot()
+            set_attributes(sp, computed=after.misses - before.misses, tokens=tokens)
         return PrecomputeReport(hits=after.hits - before.hits, misses=after.misses - before.misses,
                                 tokens=tokens, seconds=time.perf_counter() - t0)
 
@@ -152,6 +166,67 @@ class FusionEngine:
         the request at the next decode step (finish_reason "cancelled"). Errors, including a prompt over the
         context window, are raised by `next()`. See GenerationStream.
         """
+        opts = self._options(strategy, strategy_options, recompute_ratio, max_new_tokens, temperature, top_p, seed,
+                             stop, teacher_ids, return_logprobs)
+        docs = as_documents(docs)
+        check_text(question, "the question")
+        cancel = threading.Event()
+        return GenerationStream(self._generate(question, docs, *opts, cancel), cancel=cancel)
+
+    def chat(self, messages: Iterable[Any], documents: Iterable[Any] = (), *,
+             strategy: str | Strategy = DEFAULT_STRATEGY, recompute_ratio: float = 0.15, max_new_tokens: int = 64,
+             temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None, stop: list[str] | None = None,
+             return_logprobs: bool = False, **strategy_options: Any) -> GenerationResult:
+        """Answers a chat (system / user / assistant turns, through the model's chat template), fusing every
+        registered document found inside it.
+
+        A framework's stock RAG path stuffs retrieved text into one prompt; here that prompt is searched for the
+        bodies of documents the engine has seen (`precompute`, `register`, earlier requests) and for `documents`,
+        and each one found is served from its cache (re-positioned, `recompute_ratio` of it recomputed by
+        `strategy`); everything else (instructions, titles, metadata, the question, earlier turns) is computed.
+        With no document found it is a plain chat completion. `GenerationResult.cache_hits` etc. count the
+        documents found; `extra["documents"]` lists their ids.
+
+        Args:
+            messages: `{"role": "system" | "user" | "assistant", "content": str}` in order, the last one a user
+                turn (or a string: one user turn).
+            documents: documents to look for besides the registered ones (also registered from now on).
+            Other arguments: as `generate`.
+        """
+        s = self.stream_chat(messages, documents, strategy=strategy, recompute_ratio=recompute_ratio,
+                             max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                             stop=stop, return_logprobs=return_logprobs, **strategy_options)
+        return s._run_inline()
+
+    def stream_chat(self, messages: Iterable[Any], documents: Iterable[Any] = (), *,
+                    strategy: str | Strategy = DEFAULT_STRATEGY, recompute_ratio: float = 0.15,
+                    max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
+                    stop: list[str] | None = None, return_logprobs: bool = False,
+                    **strategy_options: Any) -> GenerationStream:
+        """`chat` as a stream of text deltas (see `stream`)."""
+        opts = self._options(strategy, strategy_options, recompute_ratio, max_new_tokens, temperature, top_p, seed,
+                             stop, None, return_logprobs)
+        msgs = _check_messages(messages)
+        docs = as_documents(documents)
+        cancel = threading.Event()
+        return GenerationStream(self._generate("", docs, *opts, cancel, messages=msgs), cancel=cancel)
+
+    def register(self, docs: Iterable[Any]) -> int:
+        """Remembers documents so that chat prompts containing their bodies are fused (no computation; `precompute`
+        registers too). Returns how many can be searched for (bodies of at least 24 characters)."""
+        return sum(self.registry.add(d) for d in as_documents(docs))
+
+    def forget(self, doc_ids: Iterable[str]) -> int:
+        """Evicts documents by id: their caches in memory and on disk, their id rows and their registration.
+        Returns how many ids were known. Entries in use by a running request are left to it and dropped after."""
+        ids = [check_text(i, "a document id") for i in ([doc_ids] if isinstance(doc_ids, str) else doc_ids)]
+        with self._lock:
+            return sum(bool(self.registry.remove(i)) | self.store.forget(i) for i in ids)
+
+    def _options(self, strategy, strategy_options, recompute_ratio, max_new_tokens, temperature, top_p, seed, stop,
+                 teacher_ids, return_logprobs) -> tuple:
+        """Validates a request's options; returns (strategy, ratio, max_new, sampler, stop, teacher, return_logprobs),
+        the middle arguments of `_generate`."""
         strat = check_strategy(strategy, strategy_options)
         recompute_ratio = check_real(recompute_ratio, "recompute_ratio", low=0.0, high=1.0)
         room = self.context_window - len(self.prompts.prefix_ids) - 1  # beside the prefix and >= 1 question token
@@ -159,13 +234,9 @@ class FusionEngine:
         sampler = Sampler(temperature, top_p, seed)
         stop = check_stop(stop)
         check_bool(return_logprobs, "return_logprobs")
-        docs = as_documents(docs)
-        check_text(question, "the question")
         teacher = None if teacher_ids is None else torch.as_tensor(check_token_ids(
             teacher_ids, "teacher_ids", self.decoder.spec.vocab, max_len=room), dtype=torch.long)
-        cancel = threading.Event()
-        return GenerationStream(self._generate(question, docs, strat, recompute_ratio, max_new_tokens,
-                                               sampler, stop, teacher, return_logprobs, cancel), cancel=cancel)
+        return strat, recompute_ratio, max_new_tokens, sampler, stop, teacher, return_logprobs
 
     def next_token_logprobs(self, question: str, docs: Iterable[Any], target_ids, *,
                             strategy: str | Strategy = "full", recompute_ratio: float = 0.15) -> torch.Tensor:
@@ -203,7 +274,7 @@ class FusionEngine:
         Raises:
             ValueError: no documents, or the prompt does not fit the context window.
         """
-        docs = as_documents(docs)
+        docs = [Document(d.id, d.text) for d in as_documents(docs)]  # bodies only: the rows compared are theirs
         if not docs:
             raise ValueError("context_kv needs at least one document")
         full, reuse = make_strategy("full"), Reuse()
@@ -227,7 +298,8 @@ class FusionEngine:
     def layout(self, question: str, docs: Iterable[Any]) -> PromptLayout:
         """The token layout a request would use (no computation)."""
         docs = as_documents(docs)
-        return self.prompts.build(question, [self.prompts.encode_document(d) for d in docs])
+        return self.prompts.build(question, [self.prompts.encode_document(d) for d in docs],
+                                  [self.prompts.encode_title(d) for d in docs])
 
     def close(self) -> None:
         self.store.close()
@@ -355,6 +427,7 @@ class FusionEngine:
                 own = kv if kv.pool is None else DocKV(kv.k.clone(), kv.v.clone())  # pooled rows get moved
                 kv = self.store.put(d.id, key, DocKV(own.k, own.v, extras))
                 tokens += len(ids)
+            self.registry.add(d)
             out.append((ids, kv))
         return out, tokens
 
@@ -365,24 +438,75 @@ class FusionEngine:
 
         `doc_ids`: the documents' token ids when already encoded (`_encode_documents`); tokenized here otherwise.
         """
-        t0 = time.perf_counter()
         if doc_ids is None:
             doc_ids = self._encode_documents(docs)
-        layout = self.prompts.build(question, doc_ids)
+        layout = self.prompts.build(question, doc_ids, [self.prompts.encode_title(d) for d in docs])
+        return self._lay_out(layout, docs, doc_ids, strat, reserve)
+
+    def _lay_out(self, layout: PromptLayout, docs: list[Document], doc_ids: list[list[int]], strat: Strategy,
+                 reserve: int, keep: list[int | None] | None = None):
+        """Checks the layout against the window, then serves its documents (computing misses) and returns
+        (layout, segments in prompt order, seconds spent on misses). Prefix: cached when it is the engine's fixed
+        prefix; documents: cached (selectable); glue and tail: computed. `keep[i]`: serve only the first rows of
+        document i's cache (a body found without the suffix it was cached with)."""
+        t0 = time.perf_counter()
         self._check_fits(layout, docs, reserve)
         if hasattr(strat, "use_model_profile"):  # e.g. qcfuse's critical layers, found offline per model
             strat.use_model_profile(load_profile(self))
+        miss_tokens, kvs = 0, [None] * len(docs)
         if strat.uses_cache:
             pairs, miss_tokens = self._doc_kvs(docs, strat, doc_ids)
-            segs = [Segment(layout.prefix.start, layout.prefix.end, self._prefix_kv(), selectable=False)]
-            segs += [Segment(sp.start, sp.end, kv) for sp, (_, kv) in zip(layout.docs, pairs)]
-        else:
-            miss_tokens = 0
-            segs = [Segment(layout.prefix.start, layout.prefix.end, None, selectable=False)]
-            segs += [Segment(sp.start, sp.end, None) for sp in layout.docs]
+            kvs = [kv if not n else _head(kv, n) for (_, kv), n in zip(pairs, keep or [None] * len(pairs))]
+        prefix_kv = self._prefix_kv() if strat.uses_cache and layout.prefix_cached else None
+        segs = [Segment(layout.prefix.start, layout.prefix.end, prefix_kv, selectable=False)]
+        segs += [Segment(sp.start, sp.end, kv) for sp, kv in zip(layout.docs, kvs)]
+        segs += [Segment(sp.start, sp.end, None, selectable=False) for sp in layout.glue]
+        segs.sort(key=lambda sg: sg.start)
         segs.append(Segment(layout.tail.start, layout.tail.end, None, selectable=False))
         miss_s = time.perf_counter() - t0 if miss_tokens else 0.0
         return layout, segs, miss_s
+
+    def _prepare_chat(self, messages: list[dict[str, str]], extra: list[Document], strat: Strategy, reserve: int):
+        """A chat request: registered documents (and `extra`) found by content inside the messages are served from
+        their caches, the rest of the rendered chat template is computed. Returns what `_prepare` returns, and the
+        documents found (prompt order)."""
+        rendered, found, doc_ids = [], [], []
+        suffix = self.prompts.fmt.doc_suffix
+        for m in messages:
+            content, parts, at = m["content"], [], 0
+            for match in self.registry.find(content, extra):
+                end = match.end
+                with_suffix = bool(suffix) and content.startswith(suffix, end)
+                parts.append(content[at:match.start])
+                parts.append(_DOC_SLOT.format(len(found)))
+                found.append(match.doc)
+                full = self.prompts.encode_document(match.doc)
+                if with_suffix:
+                    doc_ids.append((full, None))
+                else:  # the body alone: served as the first rows of the body + suffix cache when they agree
+                    body = self.prompts.encode_body(match.doc)
+                    doc_ids.append((full, len(body)) if full[:len(body)] == body else (body, None))
+                at = end + (len(suffix) if with_suffix else 0)
+            parts.append(content[at:])
+            rendered.append({"role": m["role"], "content": "".join(parts)})
+        text = self.prompts.render_chat(rendered)
+        pieces: list[tuple[str, list[int]]] = []
+        for i, chunk in enumerate(_DOC_SPLIT.split(text)):
+            if i % 2 == 0:
+                pieces.append(("text", self.prompts.encode_text(chunk)))
+            else:
+                ids, keep = doc_ids[int(chunk)]
+                pieces.append(("doc", ids[:keep] if keep is not None else ids))
+        if not pieces[0][1]:
+            raise ValueError("a chat prompt must not start with a document: nothing would precede it")
+        if not pieces[-1][1]:
+            raise ValueError("a chat prompt must end with text after its last document (the chat template's "
+                             "assistant header)")
+        layout = PromptLayout.from_pieces(pieces, prefix_cached=False)
+        order = [int(c) for i, c in enumerate(_DOC_SPLIT.split(text)) if i % 2]
+        found = [found[j] for j in order]
+        return (*self._lay_out(layout, found, [doc_ids[j][0] for j in order], strat, reserve,
+                               keep=[doc_ids[j][1] for j in order]), found)
 
     def _reorder(self, question: str, docs: list[Document], strat: Strategy, ratio: float, layout, segs,
                  doc_ids: list[list[int]] | None = None, reserve: int = 0):
@@ -400,30 +524,43 @@ class FusionEngine:
 
     def _generate(self, question: str, docs: list[Document], strat: Strategy, ratio: float, max_new: int,
                   sampler: Sampler, stop: list[str], teacher: torch.Tensor | None = None,
-                  return_logprobs: bool = False, cancel: threading.Event | None = None
-                  ) -> Iterator[str]:
+                  return_logprobs: bool = False, cancel: threading.Event | None = None, *,
+                  messages: list[dict[str, str]] | None = None) -> Iterator[str]:
         """Yields the answer's text deltas and returns its GenerationResult, holding the engine lock throughout.
 
         `cancel` (a stream's): waited on while the lock is busy, and checked before every decode step; once set,
         decoding ends (finish_reason "cancelled", no final delta, no logprob re-scoring) and the lock is released.
         Cancelled before the lock was taken: returns None, having computed nothing."""
         extra: dict[str, Any] = {}
+        t_call = time.perf_counter()
         if not self._acquire(cancel):
             return None
         try:
             t_start = time.perf_counter()
-            doc_ids = self._encode_documents(docs)
             n_teacher = 0 if teacher is None else int(teacher.numel())
             reserve = max(max_new, n_teacher)
             with self.store.hold(), _on_device(self.device):
-                before = self.store.snapshot()
-                layout, segs, miss_s = self._prepare(question, docs, strat, doc_ids, reserve)
-                t_prefill = time.perf_counter()
-                layout, segs, reorder_s = self._reorder(question, docs, strat, ratio, layout, segs, doc_ids, reserve)
-                out: PrefillOutput = self.runner.prefill(layout.ids, segs, strat, ratio, extra_capacity=reserve)
-                token = sampler(out.logits)
-                t_first = time.perf_counter()
-                after = self.store.snapshot()
+                with span("kvfuse.prefill", strategy=strat.name, recompute_ratio=ratio, documents=len(docs),
+                          chat=messages is not None) as sp:
+                    before = self.store.snapshot()
+                    if messages is None:
+                        doc_ids = self._encode_documents(docs)
+                        layout, segs, miss_s = self._prepare(question, docs, strat, doc_ids, reserve)
+                        t_prefill = time.perf_counter()
+                        layout, segs, reorder_s = self._reorder(question, docs, strat, ratio, layout, segs, doc_ids,
+                                                                reserve)
+                    else:  # a chat: documents found by content, no reordering (the user's text stays as written)
+                        layout, segs, miss_s, found = self._prepare_chat(messages, docs, strat, reserve)
+                        extra["documents"] = [d.id for d in found]
+                        t_prefill, reorder_s = time.perf_counter(), 0.0
+                    out: PrefillOutput = self.runner.prefill(layout.ids, segs, strat, ratio, extra_capacity=reserve)
+                    token = sampler(out.logits)
+                    t_first = time.perf_counter()
+                    after = self.store.snapshot()
+                    set_attributes(sp, prompt_tokens=layout.n, doc_tokens=layout.doc_tokens,
+                                   recomputed_tokens=int(out.recomputed.numel()), cache_hits=after.hits - before.hits,
+                                   cache_misses=after.misses - before.misses, queue_s=t_start - t_call,
+                                   ttft_s=t_first - t_call)
                 if n_teacher:
                     rows = [out.logits[None]]
                     if n_teacher > 1:
@@ -466,7 +603,7 @@ class FusionEngine:
         return GenerationResult(
             text=text, token_ids=tokens, strategy=strat.name,
             recompute_ratio=1.0 if not strat.uses_cache else (0.0 if strat.ignores_ratio else ratio),
-            finish_reason=finish, ttft_s=t_first - t_start, prefill_s=t_first - t_prefill,
+            finish_reason=finish, ttft_s=t_first - t_call, queue_s=t_start - t_call, prefill_s=t_first - t_prefill,
             decode_s=t_end - t_first, selection_s=out.selection_s + reorder_s, miss_prefill_s=miss_s,
             prompt_tokens=layout.n, doc_tokens=layout.doc_tokens, question_tokens=len(layout.tail),
             recomputed_tokens=int(out.recomputed.numel()) if strat.uses_cache else layout.doc_tokens,
@@ -474,6 +611,52 @@ class FusionEngine:
             stale=after.stale - before.stale, extra=extra,
             recomputed_positions=out.recomputed.tolist() if strat.uses_cache else [],
             doc_spans=[(sp.start, sp.end) for sp in layout.docs])
+
+
+_DOC_SLOT = "\x00KVFUSE-DOC-{}\x00"
+_DOC_SPLIT = re.compile("\x00KVFUSE-DOC-([0-9]+)\x00")
+
+
+def _head(kv: DocKV, n: int) -> DocKV:
+    """The first n rows of a cached document (rows do not depend on what follows them); index extras trimmed."""
+    extras = {name: t[t < n] for name, t in kv.extras.items()}
+    return DocKV(kv.k[:, :n], kv.v[:, :n], extras, kv.pool, kv.offset)
+
+
+def _check_messages(messages: Any) -> list[dict[str, str]]:
+    """Chat messages as `{"role", "content"}` dicts (a string is one user turn); ValueError naming the bad one."""
+    if isinstance(messages, str):
+        messages = [{"role": "user", "content": messages}]
+    if isinstance(messages, Mapping) or not isinstance(messages, Iterable):
+        raise ValueError(f"messages must be a list of {{'role', 'content'}} mappings, got {type(messages).__name__}")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
+            raise ValueError(f"messages[{i}] must be a mapping with 'role' and 'content'")
+        if m["role"] not in ("system", "user", "assistant"):
+            raise ValueError(f"messages[{i}]: role must be 'system', 'user' or 'assistant', got {m['role']!r}")
+        out.append({"role": m["role"], "content": check_text(m["content"], f"messages[{i}] content",
+                                                              allow_empty=m["role"] != "user")})
+    if not out or out[-1]["role"] != "user":
+        raise ValueError("messages must end with a user turn")
+    return out
+
+
+def _progress(total: int, show: bool, desc: str):
+    """A tqdm bar over `total` items when `show`, else an object with the same update/close that does nothing."""
+    if show:
+        from tqdm.auto import tqdm
+
+        return tqdm(total=total, desc=desc, unit="doc")
+    return _NoBar()
+
+
+class _NoBar:
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def _on_device(device: torch.device):

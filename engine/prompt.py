@@ -8,7 +8,7 @@ order); the tail holds the question, the end of the user turn and the assistant 
 from __future__ import annotations
 
 import string
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -95,6 +95,10 @@ class PromptLayout:
         docs: one span per document, in prompt order.
         tail: span of the question + assistant header (always recomputed).
         doc_ids: per-document token ids (each [L_i]), the exact tokens cached for that document.
+        glue: computed, never-cached spans between the prefix and the tail (document titles; the text around
+            documents found inside a chat prompt).
+        prefix_cached: whether the prefix is the engine's fixed prefix (served from its cache) or prompt text
+            of a chat request (computed).
     """
 
     ids: Tensor
@@ -102,6 +106,27 @@ class PromptLayout:
     docs: list[Span]
     tail: Span
     doc_ids: list[Tensor]
+    glue: list[Span] = field(default_factory=list)
+    prefix_cached: bool = True
+
+    @classmethod
+    def from_pieces(cls, pieces: list[tuple[str, list[int]]], prefix_cached: bool = False) -> PromptLayout:
+        """A layout from ("text", ids) and ("doc", ids) pieces in prompt order: the first piece is the prefix, the
+        last the tail (both text), text pieces between are glue."""
+        if len(pieces) == 1:  # text alone (a chat with no documents): an empty prefix, all of it the tail
+            pieces = [("text", []), *pieces]
+        if not pieces or pieces[0][0] != "text" or pieces[-1][0] != "text":
+            raise ValueError("a layout needs a text prefix and a text tail around its pieces")
+        spans, pos = [], 0
+        for _, ids in pieces:
+            spans.append(Span(pos, pos + len(ids)))
+            pos += len(ids)
+        docs = [sp for sp, (kind, _) in zip(spans, pieces) if kind == "doc"]
+        glue = [sp for sp, (kind, _) in zip(spans[1:-1], pieces[1:-1]) if kind == "text" and len(sp)]
+        return cls(ids=torch.tensor([t for _, ids in pieces for t in ids], dtype=torch.long), prefix=spans[0],
+                   docs=docs, tail=spans[-1], doc_ids=[torch.tensor(ids, dtype=torch.long)
+                                                       for kind, ids in pieces if kind == "doc"],
+                   glue=glue, prefix_cached=prefix_cached)
 
     @property
     def n(self) -> int:
@@ -155,21 +180,45 @@ class PromptBuilder:
         """Token ids of the question and the assistant header."""
         return self._encode(self.fmt.question_template.format(question=question) + self._tail_text)
 
-    def build(self, question: str, doc_ids: list[list[int]]) -> PromptLayout:
+    def encode_body(self, doc: Document) -> list[int]:
+        """Token ids of a document's body without the suffix (a body found inside a chat prompt, not followed by
+        the suffix); cached under its own key."""
+        return self._encode(doc.text)
+
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of prompt text (special tokens written in it, like a chat template's, are parsed)."""
+        return self._encode(text) if text else []
+
+    def render_chat(self, messages: list[dict[str, str]]) -> str:
+        """The whole chat prompt as text, through the tokenizer's chat template, ending with the assistant header.
+        The format's system prompt is used when the messages have none."""
+        msgs = list(messages)
+        if self.fmt.system_prompt is not None and not any(m["role"] == "system" for m in msgs):
+            msgs.insert(0, {"role": "system", "content": self.fmt.system_prompt})
+        if getattr(self.tokenizer, "chat_template", None):
+            return self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        names = {"system": "System", "user": "User", "assistant": "Assistant"}
+        return "".join(f"{names[m['role']]}: {m['content']}\n" for m in msgs) + "Assistant:"
+
+    def encode_title(self, doc: Document) -> list[int]:
+        """Token ids of a document's title line (computed before its body, never cached); [] without a title."""
+        return self._encode(f"{doc.title}\n") if doc.title else []
+
+    def build(self, question: str, doc_ids: list[list[int]], title_ids: list[list[int]] | None = None
+              ) -> PromptLayout:
         """Lays out prefix, documents (already tokenized) and question.
 
         Args:
             question: the user's question.
             doc_ids: token ids of each document, from `encode_document`.
+            title_ids: token ids of each document's title line (`encode_title`), placed before it as glue.
         """
         if not isinstance(question, str) or not question.strip():
             raise ValueError("the question is empty")
-        tail_ids = self.encode_tail(question)
-        parts = [self.prefix_ids, *doc_ids, tail_ids]
-        spans, pos = [], 0
-        for p in parts:
-            spans.append(Span(pos, pos + len(p)))
-            pos += len(p)
-        ids = torch.tensor([t for p in parts for t in p], dtype=torch.long)
-        return PromptLayout(ids=ids, prefix=spans[0], docs=spans[1:-1], tail=spans[-1],
-                            doc_ids=[torch.tensor(d, dtype=torch.long) for d in doc_ids])
+        pieces: list[tuple[str, list[int]]] = [("text", list(self.prefix_ids))]
+        for i, ids in enumerate(doc_ids):
+            if title_ids and title_ids[i]:
+                pieces.append(("text", list(title_ids[i])))
+            pieces.append(("doc", list(ids)))
+        pieces.append(("text", self.encode_tail(question)))
+        return PromptLayout.from_pieces(pieces, prefix_cached=True)

@@ -15,7 +15,7 @@ class Sampler:
     Args:
         temperature: 0 for greedy (deterministic argmax).
         top_p: nucleus mass in (0, 1].
-        seed: seeds the generator when sampling.
+        seed: seeds the generator when sampling; None draws a fresh random seed (calls differ).
     """
 
     def __init__(self, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None) -> None:
@@ -23,7 +23,10 @@ class Sampler:
         self.top_p = check_real(top_p, "top_p", low=0.0, high=1.0, low_open=True)
         seed = check_seed(seed)
         self.gen = torch.Generator(device="cpu")
-        self.gen.manual_seed(0 if seed is None else seed)
+        if seed is None:
+            self.gen.seed()  # unseeded: a fresh random state per request
+        else:
+            self.gen.manual_seed(seed)
 
     def __call__(self, logits: Tensor) -> int:
         if self.temperature == 0:

@@ -23,11 +23,15 @@ class Document:
     Args:
         id: the caller's handle (a node id, a passage id). Used to find the cache quickly; the content
             is always verified, so a changed text under the same id is recomputed, never served stale.
-        text: the document text exactly as it should appear in the prompt.
+        text: the document's body exactly as it should appear in the prompt. The body is what is cached, so the
+            same passage hits the same cache from every entry point (a CLI record, a LangChain document, a
+            LlamaIndex node).
+        title: optional; shown on its own line before the body and always computed (never part of the cache).
     """
 
     id: str
     text: str
+    title: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.id, str) or not self.id:
@@ -42,6 +46,10 @@ class Document:
         if at is not None:
             raise ValueError(f"document {self.id!r}: text contains a lone surrogate {self.text[at]!r} at character "
                              f"{at} (not valid Unicode text)")
+        if not isinstance(self.title, str):
+            raise ValueError(f"document {self.id!r}: title must be a string, got {type(self.title).__name__}")
+        if lone_surrogate(self.title) is not None:
+            raise ValueError(f"document {self.id!r}: title contains a lone surrogate (not valid Unicode text)")
 
 
 def as_documents(docs: Iterable[Any]) -> list[Document]:
@@ -68,10 +76,8 @@ def as_documents(docs: Iterable[Any]) -> list[Document]:
                 raise ValueError(f"docs[{i}]: 'text' must be a string, got {type(text).__name__}")
             if title is not None and not isinstance(title, str):
                 raise ValueError(f"docs[{i}]: 'title' must be a string, got {type(title).__name__}")
-            if title:
-                text = f"{title}\n{text}"
             did = next((d[k] for k in ("id", "doc_id") if d.get(k) not in (None, "")), f"doc-{i}")
-            out.append(Document(check_doc_id(did, f"docs[{i}] id"), text))
+            out.append(Document(check_doc_id(did, f"docs[{i}] id"), text, (title or "").strip()))
         elif isinstance(d, (tuple, list)) and len(d) == 2:
             out.append(Document(check_doc_id(d[0], f"docs[{i}] id"), d[1]))
         else:
@@ -93,7 +99,8 @@ class GenerationResult:
     # "stop" (end-of-turn token or stop string) | "length" | "cancelled" (a stream closed or dropped before its
     # end: decoding stopped early, `text` is what was decoded so far and `extra` has no "logprobs")
     finish_reason: str
-    ttft_s: float  # call -> first token's logits (tokenize, lookup, misses, selection, fused prefill)
+    ttft_s: float  # call -> first token's logits (waiting for the engine, tokenize, lookup, misses, selection,
+    # fused prefill)
     prefill_s: float  # fused prefill alone (selection included)
     decode_s: float  # every token after the first
     selection_s: float  # time the strategy spent choosing tokens
@@ -108,6 +115,14 @@ class GenerationResult:
     recomputed_positions: list[int] = field(default_factory=list)  # their prompt positions (empty for full)
     doc_spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of each document, prompt order
     extra: dict[str, Any] = field(default_factory=dict)
+    queue_s: float = 0.0  # of ttft_s, the time spent waiting for the engine (other requests computing)
+
+    def usage(self) -> dict[str, int]:
+        """Token counts as the frameworks name them: prompt, completion, total, and cached (document tokens served
+        from their caches, not recomputed)."""
+        cached = max(0, self.doc_tokens - self.recomputed_tokens)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": len(self.token_ids),
+                "total_tokens": self.prompt_tokens + len(self.token_ids), "cached_tokens": cached}
 
     @property
     def recompute_fraction(self) -> float:

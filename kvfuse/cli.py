@@ -21,7 +21,7 @@ class CliError(Exception):
 
 def _engine(args):
     _check_model_args(args)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # Model loads are local-only (local_files_only=True in kvfuse.engine.weights): no HF_HUB_OFFLINE needed.
     from kvfuse.engine.api import FusionEngine
 
     threads = getattr(args, "threads", None)
@@ -149,7 +149,7 @@ def _load_docs(path: str) -> list[dict]:
                 raise CliError(f"{w}: 'id' must be a string or a number, got {_kind(did)}")
             did = str(did)
             try:
-                Document(did, f"{title}\n{text}" if title else text)  # the engine's own checks, now
+                Document(did, text, title.strip())  # the engine's own checks, now
             except ValueError as e:
                 raise CliError(f"{w}: {e}") from None
             doc = {"id": did, "text": text, "title": title}
@@ -219,10 +219,19 @@ def cmd_precompute(args) -> int:
     docs = _load_docs(args.file)
     _check_model_args(args)
     engine = _engine(args)
-    rep = engine.precompute(docs)
+    progress = getattr(args, "progress", None)
+    progress = _stderr_is_tty() if progress is None else progress
+    rep = engine.precompute(docs, show_progress=progress)
     print(f"{len(docs)} documents: {rep.misses} computed ({rep.tokens} tokens), {rep.hits} already cached; "
           f"{rep.seconds:.2f} s; cache at {engine.config.disk_cache_dir}")
     return 0
+
+
+def _stderr_is_tty() -> bool:
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):  # replaced or closed stderr
+        return False
 
 
 def cmd_ask(args) -> int:
@@ -266,6 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("precompute", help="compute and store document caches from a JSON/JSONL file")
     p.add_argument("file", help="JSONL of {id, text[, title]} (or records with 'passages'), or JSON list")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="show a progress bar on stderr (default: only when stderr is a terminal)")
     _add_model_args(p)
     p.set_defaults(func=cmd_precompute)
 

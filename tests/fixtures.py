@@ -28,6 +28,7 @@ built-in text is used instead (same ChatML template, any text round-trips); `tok
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import functools
 import json
 import os
@@ -54,6 +55,7 @@ __all__ = [
     "write_tiny_gguf",
     "real_model_dir",
     "engine_from",
+    "word_embedder",
 ]
 
 FIXTURE_VERSION = "1"
@@ -342,3 +344,16 @@ def engine_from(model, tok, info, **config):
 
     return FusionEngine(model, tok, EngineConfig(**config), model_name=info.name,
                         model_fingerprint=info.fingerprint, tokenizer_fingerprint=info.tokenizer_fingerprint)
+
+
+def word_embedder(dim: int = 256):
+    """Bag of hashed lower-case words: texts sharing words are close."""
+
+    def embed(texts):
+        out = torch.zeros(len(texts), dim)
+        for i, t in enumerate(texts):
+            for w in t.lower().replace(".", " ").replace(",", " ").split():
+                out[i, int(hashlib.md5(w.encode()).hexdigest(), 16) % dim] += 1.0
+        return out
+
+    return embed

@@ -314,6 +314,12 @@ class DiskTier:
     def set_id(self, doc_id: str, key: str) -> None:
         self._set(self._id_name(doc_id), key.encode("ascii"))
 
+    def forget(self, doc_id: str, key: str | None) -> None:
+        """Deletes a document's id row and, when given, its K/V entry."""
+        names = [self._id_name(doc_id)] + ([_KV_PREFIX + key] if key else [])
+        for name in names:
+            self._run(lambda c, n=name: c.delete(n, retry=False), None, write=True, what="delete")
+
     # -- housekeeping ----------------------------------------------------------------------------------------
     def orphans(self) -> list[Path]:
         """Value files in the folder that no row names (left by a writer killed between file and row)."""

@@ -164,6 +164,21 @@ class DocStore:
                 self.disk.set_id(doc_id, key)
         return served
 
+    def forget(self, doc_id: str) -> bool:
+        """Drops the cache of the content last stored under `doc_id` from every tier, and the id itself. Entries
+        held by a running request stay until it ends. Returns whether the id was known."""
+        key = self._known_key(doc_id)
+        if doc_id in self._ids:
+            self._ids_bytes -= len(doc_id) + self._ID_OVERHEAD
+            del self._ids[doc_id]
+        if self.disk is not None:
+            self.disk.forget(doc_id, key)
+        if key is None:
+            return False
+        if key not in self.memory.held:
+            self.memory.discard(key)
+        return True
+
     def snapshot(self) -> StoreStats:
         s = self.stats
         s.evictions = self.memory.evictions

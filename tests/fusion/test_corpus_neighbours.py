@@ -9,7 +9,7 @@ from kvfuse.engine.fusion import make_strategy
 from kvfuse.engine.runner import Segment
 from kvfuse.engine.types import Document, as_documents
 
-from conftest import word_embedder
+from fixtures import word_embedder
 from test_strategies_engine import CORPUS_EXTRA, DOCS, QUESTION
 
 POOL = [

@@ -18,7 +18,7 @@ from kvfuse.engine.runner import Segment
 from kvfuse.engine.types import as_documents
 
 from cases import DOCS, QUESTION
-from conftest import word_embedder
+from fixtures import word_embedder
 
 CORPUS_EXTRA = [
     ("c1", "The observatory on Mount Helder hosted the astronomer Amelia Voss for forty years."),
