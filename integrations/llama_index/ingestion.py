@@ -2,7 +2,12 @@
 
 Place it after the node parser (node text is final there) in an `IngestionPipeline` or in
 `VectorStoreIndex.from_documents(..., transformations=[...])`. Nodes pass through unchanged (no metadata is
-added: that would change what the LLM sees, hence the cache key).
+added: that would change what the LLM sees).
+
+Each node's body (`node.get_content(metadata_mode=MetadataMode.NONE)`) is computed and registered with the
+engine, so the stock paths fuse it: LlamaIndex's prompt templates contain that text, and the engine finds it
+inside any prompt (`index.as_query_engine(llm=FusionLLM(...))`, `as_chat_engine(chat_mode="context")`), as
+`FusionQueryEngine` does with the retrieved nodes.
 
 Persisting caches with an index: point the engine's disk tier (the `disk_cache_dir` engine option) into the
 index's persist folder, so the index and its caches travel together:
@@ -22,15 +27,15 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
-from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.bridge.pydantic import ConfigDict, Field, PrivateAttr
 from llama_index.core.schema import BaseNode, MetadataMode, TransformComponent
 
 from kvfuse.engine.types import PrecomputeReport
 
-from .llm import nodes_to_documents
+from .llm import _unpicklable, nodes_to_documents
 
 __all__ = ["KVFusePrecompute", "kvfuse_cache_dir"]
 
@@ -41,33 +46,53 @@ def kvfuse_cache_dir(persist_dir: str | os.PathLike[str]) -> str:
 
 
 class KVFusePrecompute(TransformComponent):
-    """Precomputes the KV cache of every node, keyed by the text the LLM will see.
+    """Precomputes (and registers with the engine) the KV cache of every node's body.
 
-    The text is `node.get_content(metadata_mode)` (LLM mode by default), exactly what `FusionQueryEngine`
-    and `FusionSynthesizer` pass at query time, so the caches hit at query time even when a later
-    ingestion gives the nodes new ids.
+    The cached text is the node's body, the text LlamaIndex's prompt templates contain (see `nodes_to_documents`),
+    so the caches hit at query time from `FusionQueryEngine`, from `FusionLLM` on the stock query and chat
+    engines, and even when a later ingestion gives the nodes new ids.
 
     `IngestionPipeline` caches transform outputs and skips this transform on a repeated run of the same
     nodes; caches missing at query time are computed then, so that only costs time. To force the work, run
     the pipeline with `disable_cache=True`.
 
+    Parallel ingestion: the transform holds the engine, which can't be pickled into worker processes, so
+    `IngestionPipeline.run(num_workers=2)` fails at once with a `TypeError` saying so. Run the parallel pipeline
+    without it and this transform in a single-process pipeline (or call it) on the nodes it returns.
+
+    Deleting: `delete_ref_doc(index, ref_doc_id)` deletes a source document from the index and evicts its nodes'
+    caches; `forget(ref_doc_ids, index=...)` evicts only (call it before `index.delete_ref_doc`, which drops the
+    node ids it needs, unless the nodes were ingested through this transform in this process).
+
     Args:
         engine: the `FusionEngine` whose store receives the caches.
-        metadata_mode: must match the synthesizer's (default LLM).
-        batch_size: nodes per `engine.precompute` call.
+        metadata_mode: the metadata view the node titles come from (only for `nodes_to_documents`; titles are
+            not cached, so it does not change what is computed).
+        batch_size: nodes per `engine.precompute` call (the engine is free for queries between two calls).
+        show_progress: a tqdm bar over the nodes (`IngestionPipeline.run(show_progress=...)` does not reach
+            transforms, so set it here).
         model_name: recorded in the pipeline's cache key (defaults to the engine's model name).
+        Unknown settings raise `TypeError`.
     """
 
+    model_config = ConfigDict(extra="forbid")
+
     model_name: str = Field(default="", description="Model the caches belong to (part of the pipeline cache key).")
-    metadata_mode: MetadataMode = Field(default=MetadataMode.LLM, description="Node text the caches are built on.")
+    metadata_mode: MetadataMode = Field(default=MetadataMode.LLM, description="Metadata view of the node titles.")
     batch_size: int = Field(default=16, gt=0, description="Nodes per engine.precompute call.")
+    show_progress: bool = Field(default=False, description="Show a progress bar over the nodes.")
 
     _engine: Any = PrivateAttr()
     _report: PrecomputeReport | None = PrivateAttr(default=None)
+    _ref_docs: dict[str, set[str]] = PrivateAttr(default_factory=dict)  # source document id -> node ids
 
-    def __init__(self, engine: Any, **kwargs: Any) -> None:
+    def __init__(self, engine: Any = None, **kwargs: Any) -> None:
         if engine is None:
             raise ValueError("KVFusePrecompute needs an engine")
+        unknown = sorted(k for k in kwargs if k not in type(self).model_fields)
+        if unknown:
+            raise TypeError(f"KVFusePrecompute got unknown settings {unknown}; it takes model_name, metadata_mode, "
+                            "batch_size, show_progress")
         kwargs.setdefault("model_name", str(getattr(engine, "model_name", "")))
         super().__init__(**kwargs)
         self._engine = engine
@@ -75,6 +100,8 @@ class KVFusePrecompute(TransformComponent):
     @classmethod
     def class_name(cls) -> str:
         return "KVFusePrecompute"
+
+    __getstate__ = _unpicklable
 
     @property
     def engine(self) -> Any:
@@ -87,15 +114,66 @@ class KVFusePrecompute(TransformComponent):
 
     def __call__(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
         start = time.perf_counter()
-        with_text = [n for n in nodes if n.get_content(metadata_mode=self.metadata_mode).strip()]
+        show = bool(kwargs.get("show_progress", self.show_progress))
+        pairs = [(n, d) for n in nodes for d in nodes_to_documents([n], self.metadata_mode)]
         hits = misses = tokens = 0
-        for i in range(0, len(with_text), self.batch_size):
-            report = self._engine.precompute(nodes_to_documents(with_text[i:i + self.batch_size],
-                                                                self.metadata_mode))
-            hits, misses, tokens = hits + report.hits, misses + report.misses, tokens + report.tokens
+        bar = _bar(len(pairs), show)
+        try:
+            for i in range(0, len(pairs), self.batch_size):
+                batch = pairs[i:i + self.batch_size]
+                report = self._engine.precompute([d for _, d in batch])
+                hits, misses, tokens = hits + report.hits, misses + report.misses, tokens + report.tokens
+                for node, doc in batch:
+                    self._ref_docs.setdefault(node.ref_doc_id or node.node_id, set()).add(doc.id)
+                if bar is not None:
+                    bar.update(len(batch))
+        finally:
+            if bar is not None:
+                bar.close()
         self._report = PrecomputeReport(hits=hits, misses=misses, tokens=tokens,
                                         seconds=time.perf_counter() - start)
         return nodes
 
     async def acall(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
         return await asyncio.to_thread(self.__call__, nodes, **kwargs)
+
+    # --- deleting -------------------------------------------------------------------------------------------
+
+    def node_ids(self, ref_doc_ids: str | Iterable[str], index: Any = None) -> list[str]:
+        """The node ids of these source documents: those ingested through this transform, and those the index's
+        docstore lists (`index.docstore.get_ref_doc_info`, while the document is still in the index)."""
+        refs = [ref_doc_ids] if isinstance(ref_doc_ids, str) else list(ref_doc_ids)
+        docstore = getattr(index, "docstore", index)
+        ids: set[str] = set()
+        for ref in refs:
+            ids |= self._ref_docs.get(ref, set())
+            info = docstore.get_ref_doc_info(ref) if docstore is not None else None
+            if info is not None:
+                ids |= set(info.node_ids)
+        return sorted(ids)
+
+    def forget(self, ref_doc_ids: str | Iterable[str], index: Any = None) -> int:
+        """Evicts the caches (memory, disk, registration) of the nodes of these source documents; returns how many
+        the engine knew. `index` (or its docstore) finds nodes not ingested through this transform: pass it
+        before `index.delete_ref_doc`, or use `delete_ref_doc`, which does both in order."""
+        refs = [ref_doc_ids] if isinstance(ref_doc_ids, str) else list(ref_doc_ids)
+        ids = self.node_ids(refs, index)
+        for ref in refs:
+            self._ref_docs.pop(ref, None)
+        return int(self._engine.forget(ids)) if ids else 0
+
+    def delete_ref_doc(self, index: Any, ref_doc_id: str, **delete_kwargs: Any) -> int:
+        """`index.delete_ref_doc(ref_doc_id, **delete_kwargs)`, then evicts the caches of the deleted nodes;
+        returns how many the engine knew."""
+        ids = self.node_ids(ref_doc_id, index)
+        index.delete_ref_doc(ref_doc_id, **delete_kwargs)
+        self._ref_docs.pop(ref_doc_id, None)
+        return int(self._engine.forget(ids)) if ids else 0
+
+
+def _bar(total: int, show: bool) -> Any:
+    if not show or not total:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="kvfuse precompute", unit="node")

@@ -29,8 +29,8 @@ class FusionQueryEngine(RetrieverQueryEngine):
         node_postprocessors: applied after retrieval, as in `RetrieverQueryEngine`.
         streaming: stream the answer.
         callback_manager: LlamaIndex callback manager.
-        metadata_mode: node text handed to the engine (must match the one used at ingestion).
-        **generation_kwargs: FusionLLM defaults (strategy, recompute_ratio, max_new_tokens, temperature, ...).
+        metadata_mode: the metadata shown as each node's title (the body is the cached part).
+        **generation_kwargs: FusionLLM settings (strategy, recompute_ratio, max_tokens, temperature, ...).
     """
 
     def __init__(

@@ -1,9 +1,11 @@
 """`FusionSynthesizer`: a response synthesizer that hands the retrieved nodes to kvfuse as documents.
 
-Stock synthesizers stuff node texts into a prompt template and drop the node ids; this one passes every node
-as its own document (`(node_id, text as the LLM sees it)`) so the engine reuses each node's KV cache. Use it
-in a `RetrieverQueryEngine` (postprocessors, streaming and callbacks keep working), or use
-`FusionQueryEngine`, which builds exactly that.
+Stock synthesizers stuff node texts into a prompt template and drop the node ids (with `FusionLLM` and
+precomputed nodes that still fuses: the engine finds the node bodies inside the prompt); this one passes every
+node as its own document (`nodes_to_documents`: the body, cached, under its metadata header as the LLM sees it)
+to the engine's own RAG layout, so each node's KV cache is reused whether or not it was precomputed, and the
+strategies that reorder documents can. Use it in a `RetrieverQueryEngine` (postprocessors, streaming and
+callbacks keep working), or use `FusionQueryEngine`, which builds exactly that.
 """
 from __future__ import annotations
 
@@ -48,11 +50,11 @@ class FusionSynthesizer(BaseSynthesizer):
     is filled in once the stream has been consumed.
 
     Args:
-        llm: the `FusionLLM` to answer with (its defaults apply: strategy, ratio, max_new_tokens, ...).
+        llm: the `FusionLLM` to answer with (its settings apply: strategy, ratio, max_tokens, system_prompt, ...).
         engine: alternatively a `FusionEngine`; a `FusionLLM` is built around it with `generation_kwargs`.
         streaming: return `StreamingResponse` / `AsyncStreamingResponse`.
         callback_manager: LlamaIndex callback manager.
-        metadata_mode: the node text given to the engine; must match the one used by `KVFusePrecompute`.
+        metadata_mode: the metadata shown as each node's title (LLM by default, as stock synthesizers show it).
         empty_response: the answer when no node was retrieved (the engine is not called).
         **generation_kwargs: FusionLLM defaults, only with `engine=`.
     """
@@ -97,7 +99,7 @@ class FusionSynthesizer(BaseSynthesizer):
         return meta
 
     def _fill(self, meta: dict[str, Any], stats: dict[str, Any]) -> None:
-        record = dict(stats)
+        record = {k: v for k, v in stats.items() if k != "generation_result"}
         cache_stats = getattr(self.llm.engine, "cache_stats", None)
         if callable(cache_stats):
             record["engine_cache"] = cache_stats()

@@ -62,7 +62,7 @@ def test_llama_index_query_engine(make_engine, hotpot, li_documents, li_embed_mo
                            max_new_tokens=MAX_NEW)
     q = hotpot["questions"][0]
     first = qe.query(q["question"])
-    texts = [n.node.get_content(metadata_mode=MetadataMode.LLM) for n in first.source_nodes]
+    texts = [n.node.get_content(metadata_mode=MetadataMode.NONE) for n in first.source_nodes]
     assert len(texts) == TOP_K and first.response.strip()
     _check_costs(first.metadata["kvfuse"], engine, q["question"], texts, hits=0, misses=TOP_K)
     assert {n.node.metadata["title"] for n in first.source_nodes} & {"Liga MX", "Rafael Carioca"}

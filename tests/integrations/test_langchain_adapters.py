@@ -9,13 +9,13 @@ pytest.importorskip("langchain_core")
 
 from langchain_core.callbacks import BaseCallbackHandler  # noqa: E402
 from langchain_core.documents import Document  # noqa: E402
-from langchain_core.messages import AIMessage, HumanMessage, SystemMessage  # noqa: E402
+from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage  # noqa: E402
 from langchain_core.runnables import RunnableLambda, RunnablePassthrough  # noqa: E402
 
 from kvfuse.engine.api import FusionEngine  # noqa: E402
 from kvfuse.engine.fusion.base import budget_for  # noqa: E402
 from kvfuse.integrations.langchain import ChatKVFuse, FusionRunnable, lc_documents_to_documents  # noqa: E402
-from kvfuse.integrations.langchain.chat_models import messages_to_question  # noqa: E402
+from kvfuse.integrations.langchain.chat_models import messages_to_chat  # noqa: E402
 from kvfuse.integrations._bridge import content_id  # noqa: E402
 
 DOCS = [
@@ -38,13 +38,16 @@ def test_document_ids_come_from_id_then_metadata_then_content():
     assert [d.text for d in docs[:3]] == [d.page_content for d in DOCS]
 
 
-def test_messages_to_question():
-    assert messages_to_question([HumanMessage("hi")]) == "hi"
-    q = messages_to_question([SystemMessage("Be brief."), HumanMessage("hello"), AIMessage("hey"),
+def test_messages_to_chat_keeps_the_turns():
+    assert messages_to_chat([HumanMessage("hi")]) == [{"role": "user", "content": "hi"}]
+    turns = messages_to_chat([SystemMessage("Be brief."), HumanMessage("hello"), AIMessage("hey"),
                               HumanMessage("how are you")])
-    assert q == "Be brief.\n\nUser: hello\nAssistant: hey\n\nhow are you"
+    assert turns == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello"},
+                     {"role": "assistant", "content": "hey"}, {"role": "user", "content": "how are you"}]
     with pytest.raises(ValueError, match="text only"):
-        messages_to_question([HumanMessage(content=[{"type": "image", "url": "http://x/y.png"}])])
+        messages_to_chat([HumanMessage(content=[{"type": "image", "url": "http://x/y.png"}])])
+    with pytest.raises(ValueError, match="no tool calling"):
+        messages_to_chat([HumanMessage("q"), ToolMessage("42", tool_call_id="t1")])
 
 
 def test_invoke_with_documents_reports_usage_and_costs(tiny_engine):
@@ -160,7 +163,18 @@ def test_fusion_runnable_input_errors(tiny_engine):
     with pytest.raises(TypeError):
         runnable.invoke(42)
     with pytest.raises(TypeError, match="unexpected keyword"):
-        runnable.invoke("q?", max_tokens=3)
+        runnable.invoke("q?", max_tokenz=3)
+    with pytest.raises(TypeError, match="both max_tokens and max_new_tokens"):
+        runnable.invoke("q?", max_tokens=3, max_new_tokens=4)
+    with pytest.raises(ValueError, match="max_tokenz"):
+        FusionRunnable(tiny_engine, max_tokenz=3)
+
+
+def test_fusion_runnable_honours_max_tokens(tiny_engine):
+    for runnable, kwargs in ((FusionRunnable(tiny_engine, max_tokens=3), {}),
+                             (FusionRunnable(tiny_engine, max_new_tokens=50), {"max_tokens": 3})):
+        out = runnable.invoke({"question": "q?", "documents": DOCS[:1]}, **kwargs)
+        assert (out["kvfuse"]["output_tokens"], out["kvfuse"]["finish_reason"]) == (3, "length")
 
 
 def test_engine_loads_lazily_from_a_model_name(tiny_model):

@@ -61,13 +61,17 @@ def test_metadata_comes_from_the_engine(tiny_engine):
 def test_complete_fuses_documents_and_reports_costs(tiny_engine):
     llm = FusionLLM(engine=tiny_engine, max_new_tokens=6, recompute_ratio=0.25)
     first = llm.complete("When was the observatory built?", documents=_nodes())
-    assert isinstance(first.raw, GenerationResult) and first.text == first.raw.text
+    result = first.additional_kwargs["generation_result"]
+    assert isinstance(result, GenerationResult) and first.text == result.text
+    assert first.raw["usage"]["prompt_tokens"] == result.prompt_tokens
+    assert first.raw["usage"]["completion_tokens"] == len(result.token_ids)
     assert first.additional_kwargs["cache_misses"] == 3 and first.additional_kwargs["cache_hits"] == 0
     second = llm.complete("Who founded the festival?", documents=_nodes())
     stats = second.additional_kwargs
     assert (stats["cache_hits"], stats["cache_misses"]) == (3, 0)
     assert stats["recomputed_tokens"] == budget_for(0.25, stats["doc_tokens"])
-    assert stats["output_tokens"] == len(second.raw.token_ids)
+    assert stats["output_tokens"] == len(stats["generation_result"].token_ids)
+    assert second.raw["usage"]["cached_tokens"] == stats["doc_tokens"] - stats["recomputed_tokens"] > 0
 
 
 def test_per_call_options_and_unknown_keywords(tiny_engine):
@@ -133,15 +137,19 @@ def test_async_stream_stops_early_and_releases_the_engine(tiny_engine):
 
     assert len(asyncio.run(first_two())) == 2
     # the engine is free again: a plain call on this thread completes
-    assert llm.complete("Again?", max_new_tokens=2).raw.finish_reason in ("stop", "length")
+    assert llm.complete("Again?", max_new_tokens=2).raw["finish_reason"] in ("stop", "length")
 
 
-def test_nodes_to_documents_uses_the_llm_view():
+def test_nodes_to_documents_caches_the_body_under_the_llm_view():
     node = TextNode(text="body", metadata={"title": "T", "secret": "x"}, excluded_llm_metadata_keys=["secret"])
     (doc,) = nodes_to_documents([NodeWithScore(node=node, score=0.5)])
     assert doc.id == node.node_id
-    assert doc.text == node.get_content(metadata_mode=MetadataMode.LLM)
-    assert "T" in doc.text and "secret" not in doc.text
+    assert doc.text == node.get_content(metadata_mode=MetadataMode.NONE) == "body"  # the cached part
+    assert f"{doc.title}\n{doc.text}" == node.get_content(metadata_mode=MetadataMode.LLM)  # what the LLM sees
+    assert "T" in doc.title and "secret" not in doc.title
+    bare, = nodes_to_documents([TextNode(text="just text")])
+    assert (bare.text, bare.title) == ("just text", "")
+    assert nodes_to_documents([TextNode(text="  ")]) == []  # an empty body is left out
     pair, = nodes_to_documents([("x", "text")])
     assert (pair.id, pair.text) == ("x", "text")
 
@@ -269,7 +277,7 @@ def test_llm_needs_an_engine():
 def test_from_pretrained_builds_the_engine(tiny_model):
     llm = FusionLLM.from_pretrained(str(tiny_model("llama")), max_new_tokens=2,
                                     engine_options={"device": "cpu", "dtype": "fp32", "disk_cache": False})
-    assert isinstance(llm.engine, FusionEngine) and llm.max_new_tokens == 2
+    assert isinstance(llm.engine, FusionEngine) and llm.max_tokens == 2
     assert llm.complete("a?").additional_kwargs["output_tokens"] <= 2
     llm.engine.close()
 
