@@ -98,7 +98,7 @@ def test_llama_index_precompute_at_ingestion_and_reingestion(make_engine, hotpot
     q = hotpot["questions"][1]
     streamed = qe.query(q["question"])
     answer = "".join(streamed.response_gen)
-    texts = [n.node.get_content(metadata_mode=MetadataMode.LLM) for n in streamed.source_nodes]
+    texts = [n.node.get_content(metadata_mode=MetadataMode.NONE) for n in streamed.source_nodes]
     _check_costs(streamed.metadata["kvfuse"], engine, q["question"], texts, hits=TOP_K, misses=0)
     with capsys.disabled():
         print(f"\n[llama-index, precomputed, streamed] Q: {q['question']}\n  gold: {q['answers']}"
