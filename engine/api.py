@@ -77,6 +77,9 @@ class FusionEngine:
         # -> (DocKV, tokens computed)), and the corpus that neighbour-based variants (fusionrag) search.
         # documents seen (precomputed, registered, used), by a fingerprint of their body: found inside chat prompts
         self.registry = DocumentIndex(self.config.id_index_bytes)
+        if self.store.disk is not None:  # registrations persist with the disk cache: stock paths fuse after a restart
+            for reg in self.store.disk.registrations():
+                self.registry.add_fingerprint(*reg)
         self.doc_profilers = default_doc_profilers()
         self.cache_variants = default_cache_variants()
         self.corpus = None
@@ -214,14 +217,28 @@ class FusionEngine:
     def register(self, docs: Iterable[Any]) -> int:
         """Remembers documents so that chat prompts containing their bodies are fused (no computation; `precompute`
         registers too). Returns how many can be searched for (bodies of at least 24 characters)."""
-        return sum(self.registry.add(d) for d in as_documents(docs))
+        return sum(self._register(d) for d in as_documents(docs))
 
     def forget(self, doc_ids: Iterable[str]) -> int:
         """Evicts documents by id: their caches in memory and on disk, their id rows and their registration.
         Returns how many ids were known. Entries in use by a running request are left to it and dropped after."""
         ids = [check_text(i, "a document id") for i in ([doc_ids] if isinstance(doc_ids, str) else doc_ids)]
         with self._lock:
+            if self.store.disk is not None:
+                for i in ids:
+                    self.store.disk.forget_registration(i)
             return sum(bool(self.registry.remove(i)) | self.store.forget(i) for i in ids)
+
+    def _register(self, doc: Document) -> bool:
+        """Adds a document to the registry (and its disk rows) unless it is already there with this body."""
+        if self.registry.known(doc):
+            return True
+        fp = self.registry.fingerprint(doc)
+        if fp is None or not self.registry.add_fingerprint(doc.id, *fp):
+            return False
+        if self.store.disk is not None:
+            self.store.disk.put_registration(doc.id, *fp)
+        return True
 
     def _options(self, strategy, strategy_options, recompute_ratio, max_new_tokens, temperature, top_p, seed, stop,
                  teacher_ids, return_logprobs) -> tuple:
@@ -427,7 +444,7 @@ class FusionEngine:
                 own = kv if kv.pool is None else DocKV(kv.k.clone(), kv.v.clone())  # pooled rows get moved
                 kv = self.store.put(d.id, key, DocKV(own.k, own.v, extras))
                 tokens += len(ids)
-            self.registry.add(d)
+            self._register(d)
             out.append((ids, kv))
         return out, tokens
 

@@ -63,19 +63,39 @@ class DocumentIndex:
     def __contains__(self, doc_id: str) -> bool:
         return doc_id in self._by_id
 
-    def add(self, doc: Document) -> bool:
-        """Remembers `doc` (replacing what its id held); False when its body is too short to be searched for."""
+    @staticmethod
+    def fingerprint(doc: Document) -> tuple[str, int, bytes] | None:
+        """(head, length, sha256) of a document's body, or None when it is too short to be searched for."""
         body = doc.text
         if len(body.strip()) < HEAD:
+            return None
+        return body[:HEAD], len(body), _digest(body)
+
+    def known(self, doc: Document) -> bool:
+        """Whether `doc`'s id is registered with exactly this body (then only marks it recently used)."""
+        item = self._by_id.get(doc.id)
+        if item is None or item[1].length != len(doc.text) or item[1].digest != _digest(doc.text):
             return False
-        self.remove(doc.id)
-        head, entry = body[:HEAD], _Entry(doc.id, len(body), _digest(body))
-        cost = self._OVERHEAD + len(doc.id)
+        self._by_id.move_to_end(doc.id)
+        return True
+
+    def add(self, doc: Document) -> bool:
+        """Remembers `doc` (replacing what its id held); False when its body is too short to be searched for."""
+        fp = self.fingerprint(doc)
+        return fp is not None and self.add_fingerprint(doc.id, *fp)
+
+    def add_fingerprint(self, doc_id: str, head: str, length: int, digest: bytes) -> bool:
+        """Remembers a document by its fingerprint alone (as stored on disk)."""
+        if len(head) != HEAD or length < HEAD or len(digest) != 32:
+            return False
+        self.remove(doc_id)
+        entry = _Entry(doc_id, int(length), bytes(digest))
+        cost = self._OVERHEAD + len(doc_id)
         while self._by_id and self.used + cost > self.budget:
             self.remove(next(iter(self._by_id)))
         if cost > self.budget:
             return False
-        self._by_id[doc.id] = (head, entry)
+        self._by_id[doc_id] = (head, entry)
         self._by_head.setdefault(head, []).append(entry)
         self.used += cost
         return True

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import io
+import json
 import logging
 import os
 import re
@@ -319,6 +320,42 @@ class DiskTier:
         names = [self._id_name(doc_id)] + ([_KV_PREFIX + key] if key else [])
         for name in names:
             self._run(lambda c, n=name: c.delete(n, retry=False), None, write=True, what="delete")
+
+    # -- registrations (the engine's document index, so chat prompts fuse in a new process too) ---------------
+    def _reg_prefix(self) -> str:
+        return f"reg:{self.id_scope}:"
+
+    def put_registration(self, doc_id: str, head: str, length: int, digest: bytes) -> None:
+        blob = json.dumps({"head": head, "length": length, "sha256": digest.hex()}).encode("utf-8")
+        self._set(self._reg_prefix() + doc_id, blob)
+
+    def registrations(self) -> list[tuple[str, str, int, bytes]]:
+        """(doc id, head, length, sha256) of every registration in this scope; bad rows are dropped."""
+        db, prefix = self.directory / "cache.db", self._reg_prefix()
+        if self._cache is None or not db.is_file():
+            return []
+        try:
+            con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=_SQLITE_TIMEOUT_S)
+            try:
+                names = [k for (k,) in con.execute("SELECT key FROM Cache WHERE raw = 1 AND substr(key, 1, ?) = ?",
+                                                   (len(prefix), prefix)) if isinstance(k, str)]
+            finally:
+                con.close()
+        except sqlite3.Error:
+            return []
+        out = []
+        for name in names:
+            try:
+                blob = self._run(lambda c, n=name: c.get(n, default=None, retry=False), None, write=False,
+                                 what="read")
+                row = json.loads(blob) if isinstance(blob, bytes) else None
+                out.append((name[len(prefix):], row["head"], int(row["length"]), bytes.fromhex(row["sha256"])))
+            except (UnsafeRow, ValueError, TypeError, KeyError):
+                self._drop(name)
+        return out
+
+    def forget_registration(self, doc_id: str) -> None:
+        self._run(lambda c: c.delete(self._reg_prefix() + doc_id, retry=False), None, write=True, what="delete")
 
     # -- housekeeping ----------------------------------------------------------------------------------------
     def orphans(self) -> list[Path]:

@@ -129,3 +129,23 @@ def test_document_index_finds_longest_verified_bodies_and_stays_bounded():
     for i in range(100):  # bounded: old ids are forgotten
         idx.add(Document(f"d{i}", f"filler document number {i:04d} with some words in it"))
     assert idx.used <= 5000 and "a" not in idx and "d99" in idx
+
+
+def test_registrations_persist_with_the_disk_cache(tiny_engine, tmp_path):
+    import sqlite3
+
+    first = tiny_engine("llama", disk_cache_dir=tmp_path)
+    first.precompute(DOCS)  # e.g. `kvfuse precompute` into the folder an index's engine uses
+    first.close()
+    second = tiny_engine("llama", disk_cache_dir=tmp_path)  # a new process: the stuffed prompt still fuses
+    r = second.chat(_stuffed(), strategy="reuse", max_new_tokens=2)
+    assert r.extra["documents"] == ["larkspur", "voss"] and r.cache_hits == 2
+    second.forget(["voss"])
+    second.close()
+    con = sqlite3.connect(tmp_path / "cache.db")
+    with con:  # a damaged registration row is dropped, not fatal
+        con.execute("UPDATE Cache SET value = ? WHERE key LIKE 'reg:%:larkspur'", (b"{not json",))
+    con.close()
+    third = tiny_engine("llama", disk_cache_dir=tmp_path)
+    assert "voss" not in third.registry and "larkspur" not in third.registry and "quillon" in third.registry
+    assert third.cache_stats()["corrupt"] == 1
