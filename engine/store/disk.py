@@ -126,6 +126,65 @@ class RawBytesDisk(diskcache.Disk):
         return full
 
 
+def _read_only(db: Path) -> sqlite3.Connection | None:
+    """A read-only connection to a diskcache database, or None. On a read-only filesystem a WAL database can't
+    make its shared-memory file, so it is then opened as immutable (nothing else can be writing it there)."""
+    for flags in ("mode=ro", "mode=ro&immutable=1"):
+        try:
+            con = sqlite3.connect(f"file:{db}?{flags}", uri=True, check_same_thread=False, timeout=_SQLITE_TIMEOUT_S)
+            con.execute("SELECT key, raw, mode, filename, value FROM Cache LIMIT 1").fetchall()
+            return con
+        except sqlite3.Error:
+            continue
+    return None
+
+
+class _ReadOnlyCache:
+    """The reads of a diskcache folder that can't be written (a read-only filesystem or folder): rows are read
+    with a read-only sqlite connection and loaded through `RawBytesDisk.fetch` (the same refusals); access times
+    are not updated and nothing is deleted or written."""
+
+    def __init__(self, directory: Path, con: sqlite3.Connection) -> None:
+        self._con = con
+        self._disk = RawBytesDisk(str(directory))
+        self._lock = threading.Lock()
+
+    @classmethod
+    def open(cls, directory: Path) -> _ReadOnlyCache | None:
+        db = Path(directory) / "cache.db"
+        if not db.is_file():
+            return None
+        con = _read_only(db)
+        return None if con is None else cls(Path(directory), con)
+
+    def _row(self, key: str):
+        with self._lock:
+            return self._con.execute("SELECT mode, filename, value FROM Cache WHERE key = ? AND raw = 1 AND "
+                                     "(expire_time IS NULL OR expire_time > ?)", (key, time.time())).fetchone()
+
+    def get(self, key: str, default=None, retry: bool = False):
+        row = self._row(key)
+        if row is None:
+            return default
+        try:
+            return self._disk.fetch(row[0], row[1], row[2], False)
+        except OSError:
+            return default
+
+    def __contains__(self, key: str) -> bool:
+        return self._row(key) is not None
+
+    def delete(self, key: str, retry: bool = False) -> bool:
+        return False  # read-only: a bad row stays, and is refused again next time
+
+    def set(self, *args, **kwargs):
+        raise sqlite3.OperationalError("the cache folder is read-only")
+
+    def close(self) -> None:
+        with contextlib.suppress(sqlite3.Error):
+            self._con.close()
+
+
 def _is_disk_failure(e: BaseException) -> bool:
     """An error that says the folder can't be used now (as opposed to a bad row)."""
     return isinstance(e, (sqlite3.Error, OSError, diskcache.Timeout))
@@ -168,9 +227,10 @@ class DiskTier:
 
     @property
     def degraded(self) -> bool:
-        """Whether reads or writes are being skipped now (or the folder could not be opened)."""
+        """Whether reads or writes are being skipped now (or the folder could not be opened, or only read-only)."""
         now = time.monotonic()
-        return self._cache is None or now < self._no_reads_until or now < self._no_writes_until
+        return (self._cache is None or isinstance(self._cache, _ReadOnlyCache) or now < self._no_reads_until
+                or now < self._no_writes_until)
 
     # -- the folder ------------------------------------------------------------------------------------------
     def _open(self) -> bool:
@@ -182,6 +242,11 @@ class DiskTier:
                                           size_limit=self.budget_bytes, eviction_policy="least-recently-used",
                                           cull_limit=10, disk_min_file_size=1 << 15, statistics=0)
         except Exception as e:  # noqa: BLE001 - any failure to open means "memory only for now"
+            ro = _ReadOnlyCache.open(self.directory)  # a read-only folder still serves what it holds
+            if ro is not None:
+                self._cache = ro
+                self._fail(e, reads=False, what="open for writing")
+                return False
             self._cache = None
             self._fail(e, reads=True, what="open")
             return False
@@ -207,10 +272,14 @@ class DiskTier:
     def _usable(self, write: bool) -> bool:
         if time.monotonic() < (self._no_writes_until if write else self._no_reads_until):
             return False
-        if self._cache is None:
+        if self._cache is None or (write and isinstance(self._cache, _ReadOnlyCache)):
             with self._mutex:
-                if self._cache is None and not self._open():
-                    return False
+                if self._cache is None or (write and isinstance(self._cache, _ReadOnlyCache)):
+                    old = self._cache
+                    if not self._open():
+                        return False
+                    if old is not None:
+                        old.close()
         return True
 
     def _run(self, fn: Callable[[diskcache.Cache], Any], default: Any, *, write: bool, what: str) -> Any:
@@ -335,7 +404,9 @@ class DiskTier:
         if self._cache is None or not db.is_file():
             return []
         try:
-            con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=_SQLITE_TIMEOUT_S)
+            con = _read_only(db)
+            if con is None:
+                return []
             try:
                 names = [k for (k,) in con.execute("SELECT key FROM Cache WHERE raw = 1 AND substr(key, 1, ?) = ?",
                                                    (len(prefix), prefix)) if isinstance(k, str)]
@@ -363,7 +434,9 @@ class DiskTier:
         db = self.directory / "cache.db"
         if not db.is_file():
             return []
-        con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=_SQLITE_TIMEOUT_S)
+        con = _read_only(db)
+        if con is None:
+            return []
         try:
             named = {f.replace(os.sep, "/") for (f,) in con.execute(
                 "SELECT filename FROM Cache WHERE filename IS NOT NULL") if isinstance(f, str)}

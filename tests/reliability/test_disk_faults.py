@@ -1,7 +1,7 @@
-"""A disk tier that can't be used never fails a request: a junk database, a read-only folder, a full filesystem
-and a folder deleted under a running engine all degrade to memory only, with one logged warning and the
-`disk_errors` / `disk_degraded` counters, and answers identical to an engine with no disk tier at all. No
-orphan files are left; when the folder is usable again the tier resumes."""
+"""A disk tier that can't be used never fails a request: a junk database, a full filesystem and a folder deleted
+under a running engine degrade to memory only, and a read-only folder still serves what it holds (read-only).
+Each logs one warning and counts `disk_errors` / `disk_degraded`; answers are identical to an engine with no disk
+tier at all. No orphan files are left; when the folder is usable again the tier resumes."""
 from __future__ import annotations
 
 import logging
@@ -90,16 +90,22 @@ def test_junk_database_cli_answers_with_one_warning_line(tiny_model, tmp_path, c
     assert sum("disk cache" in line for line in err.splitlines()) == 1, err
 
 
-def test_read_only_folder_serves_from_memory(tiny_engine, reference, mount_tmpfs, caplog):
+def test_read_only_folder_is_served_read_only(tiny_engine, reference, mount_tmpfs, caplog):
     folder = mount_tmpfs("4m")
     writer = tiny_engine("llama", disk_cache_dir=folder / "kv")
-    writer.precompute(DOCS)
+    writer.precompute(DOCS)  # e.g. caches shipped in a read-only image
     writer.close()
     remount(folder, "ro")
     with caplog.at_level(logging.WARNING, logger="kvfuse.store"):
-        engine = tiny_engine("llama", disk_cache_dir=folder / "kv", disk_retry_s=0.0)  # tries the folder every op
-        for question, docs in [(QUESTION, DOCS), (OTHER_Q, OTHER), (QUESTION, DOCS)]:
-            _ask(engine, reference, question, docs)
+        engine = tiny_engine("llama", disk_cache_dir=folder / "kv", disk_retry_s=0.0)  # tries to write every time
+        r = _ask(engine, reference)
+        assert (r.cache_hits, r.cache_misses) == (3, 0) and engine.cache_stats()["disk_hits"] == 3
+        r = _ask(engine, reference, OTHER_Q, OTHER)  # new documents: computed, kept in memory
+        assert (r.cache_hits, r.cache_misses) == (0, 3)
+        _ask(engine, reference)
+        # registrations were read too: a stuffed prompt fuses the shipped documents
+        assert engine.chat(f"{DOCS[0][1]}\n\n{QUESTION}", strategy="reuse", max_new_tokens=2).extra["documents"] \
+            == [DOCS[0][0]]
     stats = engine.cache_stats()
     assert stats["disk_degraded"] == 1 and stats["disk_errors"] >= 1
     assert len(_warnings(caplog)) == 1, _warnings(caplog)
