@@ -68,6 +68,7 @@ class FusionEngine:
             hf_model.config, "use_sliding_window", True) else None
         self.context_window = min(self.decoder.spec.max_positions, sliding or 1 << 62)
         self._prefix_key = content_key(self.namespace, [], self.prompts.prefix_ids)
+        self._shortest_tail = len(self.prompts.encode_tail(""))  # the question template around an empty question
         self.store = self._make_store()
         # one request computes at a time (runner state, pool scratch rows and CUDA graph buffers are per engine);
         # held only while computing: a stream's worker holds it, never its reader (see GenerationStream)
@@ -368,7 +369,7 @@ class FusionEngine:
     def _check_documents_fit(self, docs: list[Document], doc_ids: list[list[int]]) -> None:
         """Raises ValueError naming every document that fits no prompt: prefix + document + the shortest question
         tail (the question template around an empty question) + 1 answer token over the context window."""
-        fixed = len(self.prompts.prefix_ids) + len(self.prompts.encode_tail("")) + 1
+        fixed = len(self.prompts.prefix_ids) + self._shortest_tail + 1
         over = [(d.id, len(ids)) for d, ids in zip(docs, doc_ids) if fixed + len(ids) > self.context_window]
         if over:
             what = _name_documents(over)
