@@ -32,7 +32,7 @@ WRITER = textwrap.dedent("""
         g = torch.Generator().manual_seed(i)
         n = 3 if i % 3 == 0 else 600  # inline in the database, or a ~60 KB file
         return DocKV(torch.randn(2, n, 2, 6, generator=g), torch.randn(2, n, 2, 6, generator=g))
-    disk = DiskTier(folder, 1 << 30)
+    disk = DiskTier(folder, 1 << 40)
     i = start
     while True:
         if role == "writer":
@@ -76,7 +76,7 @@ def test_sigkill_mid_write_loses_nothing_committed(tmp_path, tally):
         assert done, "the writer committed nothing before it was killed"
         committed.update(done)
         attempted += range(start, max(done) + 2)  # the committed ones plus the one in flight
-    disk = DiskTier(folder, 1 << 30)
+    disk = DiskTier(folder, 1 << 40)
     lost = partial = 0
     for i in attempted:
         got = disk.get(f"{i:064x}")
