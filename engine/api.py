@@ -25,7 +25,8 @@ from .registry import DocumentIndex
 from .tracing import set_attributes, span
 from .store import CorruptEntry, DocKV, DocStore, Namespace, content_key, fingerprint_tensors
 from .store.pool import KVPool
-from .types import Document, GenerationResult, GenerationStream, PrecomputeReport, as_documents
+from .types import (AsyncGenerationStream, Document, EngineOverloaded, GenerationResult, GenerationStream,
+                    PrecomputeReport, as_documents)
 from .validate import (check_bool, check_int, check_real, check_stop, check_strategy, check_text,
                        check_token_ids)
 
@@ -215,6 +216,29 @@ class FusionEngine:
         cancel = threading.Event()
         return GenerationStream(self._generate("", docs, *opts, cancel, messages=msgs), cancel=cancel)
 
+    # -- asyncio fronts (what servers and the framework adapters' async paths use) ---------------------------
+    async def agenerate(self, *args: Any, **kwargs: Any) -> GenerationResult:
+        """`generate` without blocking the event loop (same arguments)."""
+        stream = self.astream(*args, **kwargs)
+        async for _ in stream:
+            pass
+        return stream.result
+
+    def astream(self, *args: Any, **kwargs: Any) -> AsyncGenerationStream:
+        """`stream` as an async iterator of text deltas (same arguments; validated here)."""
+        return AsyncGenerationStream(self.stream(*args, **kwargs))
+
+    async def achat(self, *args: Any, **kwargs: Any) -> GenerationResult:
+        """`chat` without blocking the event loop (same arguments)."""
+        stream = self.astream_chat(*args, **kwargs)
+        async for _ in stream:
+            pass
+        return stream.result
+
+    def astream_chat(self, *args: Any, **kwargs: Any) -> AsyncGenerationStream:
+        """`stream_chat` as an async iterator of text deltas (same arguments; validated here)."""
+        return AsyncGenerationStream(self.stream_chat(*args, **kwargs))
+
     def register(self, docs: Iterable[Any]) -> int:
         """Remembers documents so that chat prompts containing their bodies are fused (no computation; `precompute`
         registers too). Returns how many can be searched for (bodies of at least 24 characters)."""
@@ -318,6 +342,16 @@ class FusionEngine:
         docs = as_documents(docs)
         return self.prompts.build(question, [self.prompts.encode_document(d) for d in docs],
                                   [self.prompts.encode_title(d) for d in docs])
+
+    def serving_stats(self) -> dict[str, int]:
+        """Scheduler gauges for a server's metrics: `running` (requests decoding), `queued` (waiting for a slot),
+        `batch_size` (requests in the last decode step), `pool_rows_used` / `pool_rows_total` (KV rows of the GPU
+        pool or decode arena), `requests_done`."""
+        pool = self.store.memory.pool
+        total = 0 if pool is None else pool.doc_rows
+        return {"running": int(self._lock.locked()), "queued": 0, "batch_size": int(self._lock.locked()),
+                "pool_rows_used": total - (0 if pool is None else pool.free_rows), "pool_rows_total": total,
+                "requests_done": 0}
 
     def close(self) -> None:
         self.store.close()

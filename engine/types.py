@@ -250,3 +250,51 @@ def _pump(gen: Iterator[str], out: queue.SimpleQueue, outcome: list[Any]) -> Non
             out.put((_DELTA, delta))
     except BaseException as exc:  # re-raised to the reader, after the deltas that came before it
         out.put((_ERROR, exc))
+
+
+class EngineOverloaded(RuntimeError):
+    """The engine's request queue is full: retry after `retry_after_s` seconds (a server answers 429/503)."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class AsyncGenerationStream:
+    """`async for delta in stream` over a GenerationStream; `.result` once exhausted; `await aclose()` cancels.
+
+    Each delta is awaited without blocking the event loop.
+    """
+
+    def __init__(self, stream: GenerationStream) -> None:
+        self._stream = stream
+
+    @property
+    def result(self) -> GenerationResult | None:
+        return self._stream.result
+
+    def __aiter__(self) -> AsyncGenerationStream:
+        return self
+
+    async def __anext__(self) -> str:
+        import asyncio
+
+        item = await asyncio.to_thread(_next_or_end, self._stream)
+        if item is _END:
+            raise StopAsyncIteration
+        return item
+
+    async def aclose(self) -> None:
+        import asyncio
+
+        await asyncio.to_thread(self._stream.close)
+
+
+_END = object()
+
+
+def _next_or_end(stream: GenerationStream) -> Any:
+    try:
+        return next(stream)
+    except StopIteration:
+        return _END
