@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import contextlib
 import re
-import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
@@ -19,7 +18,9 @@ from .fusion.reuse import Reuse
 from .models import build_decoder
 from .profile import default_doc_profilers, load_profile, reorder_documents
 from .prompt import PromptBuilder, PromptLayout
-from .runner import PrefillOutput, Runner, Segment
+from .decode import Arena, Decoding
+from .runner import Runner, Segment
+from .scheduler import Request, Scheduler
 from .sampler import Sampler
 from .registry import DocumentIndex
 from .tracing import set_attributes, span
@@ -71,9 +72,10 @@ class FusionEngine:
         self._prefix_key = content_key(self.namespace, [], self.prompts.prefix_ids)
         self._shortest_tail = len(self.prompts.encode_tail(""))  # the question template around an empty question
         self.store = self._make_store()
-        # one request computes at a time (runner state, pool scratch rows and CUDA graph buffers are per engine);
-        # held only while computing: a stream's worker holds it, never its reader (see GenerationStream)
-        self._lock = threading.Lock()
+        # requests run on the scheduler's thread, decoded together (engine/scheduler.py); other model work takes
+        # the engine between two of its iterations (`self.scheduler.exclusive()`)
+        self.decoding = Decoding(self.runner, self._make_arena(), self.config.cuda_graphs)
+        self.scheduler = Scheduler(self, self.decoding, self.config.max_batch_size, self.config.max_queued_requests)
         # Offline per-document work some strategies read (see _doc_kvs): extras stored with a document's cache
         # (name -> fn(engine, ids, kv) -> {name: tensor}), cache variants (name -> fn(engine, strategy, doc, ids)
         # -> (DocKV, tokens computed)), and the corpus that neighbour-based variants (fusionrag) search.
@@ -121,7 +123,7 @@ class FusionEngine:
         """
         docs = as_documents(docs)
         strat = None if strategy is None else make_strategy(strategy)
-        with self._lock, span("kvfuse.precompute", documents=len(docs)) as sp:
+        with self.scheduler.exclusive(), span("kvfuse.precompute", documents=len(docs)) as sp:
             t0 = time.perf_counter()
             doc_ids = self._encode_documents(docs)
             self._check_documents_fit(docs, doc_ids)  # all of them, before any is computed
@@ -153,10 +155,9 @@ class FusionEngine:
                 of the answer's positions (row t: log p(. | prompt, answer[:t])), re-scored after decoding in one
                 teacher-forced pass from the same prefill, so they equal `teacher_ids` scoring of that answer.
         """
-        s = self.stream(question, docs, strategy=strategy, recompute_ratio=recompute_ratio,
-                        max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop,
-                        teacher_ids=teacher_ids, return_logprobs=return_logprobs, **strategy_options)
-        return s._run_inline()  # on this thread: no worker, nothing to cancel
+        return self.stream(question, docs, strategy=strategy, recompute_ratio=recompute_ratio,
+                           max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop,
+                           teacher_ids=teacher_ids, return_logprobs=return_logprobs, **strategy_options).wait()
 
     def stream(self, question: str, docs: Iterable[Any] = (), *, strategy: str | Strategy = DEFAULT_STRATEGY,
                recompute_ratio: float = 0.15, max_new_tokens: int = 64, temperature: float = 0.0,
@@ -165,18 +166,16 @@ class FusionEngine:
                **strategy_options: Any) -> GenerationStream:
         """Like `generate`, yielding text deltas; the GenerationResult is `.result` once exhausted.
 
-        Arguments are validated here, before the first delta is asked for. The request computes on a worker thread
-        started by the first `next()`, into a queue the reader drains (from any thread): requests still run one at
-        a time, but a slow or vanished reader never holds the engine. `close()` (or dropping the stream) cancels
-        the request at the next decode step (finish_reason "cancelled"). Errors, including a prompt over the
-        context window, are raised by `next()`. See GenerationStream.
+        Arguments are validated here, before the first delta is asked for. The first `next()` submits the request
+        to the scheduler, which decodes it together with the other running requests and queues its deltas for the
+        reader (from any thread): a slow or vanished reader never holds the engine. `close()` (or dropping the
+        stream) cancels the request at the next decode step (finish_reason "cancelled"). Errors, including a
+        prompt over the context window and EngineOverloaded (the queue is full), are raised by `next()`. See
+        GenerationStream.
         """
-        opts = self._options(strategy, strategy_options, recompute_ratio, max_new_tokens, temperature, top_p, seed,
-                             stop, teacher_ids, return_logprobs)
-        docs = as_documents(docs)
-        check_text(question, "the question")
-        cancel = threading.Event()
-        return GenerationStream(self._generate(question, docs, *opts, cancel), cancel=cancel)
+        return GenerationStream(self._request(question, docs, None, strategy, strategy_options, recompute_ratio,
+                                              max_new_tokens, temperature, top_p, seed, stop, teacher_ids,
+                                              return_logprobs), self.scheduler.submit)
 
     def chat(self, messages: Iterable[Any], documents: Iterable[Any] = (), *,
              strategy: str | Strategy = DEFAULT_STRATEGY, recompute_ratio: float = 0.15, max_new_tokens: int = 64,
@@ -198,10 +197,9 @@ class FusionEngine:
             documents: documents to look for besides the registered ones (also registered from now on).
             Other arguments: as `generate`.
         """
-        s = self.stream_chat(messages, documents, strategy=strategy, recompute_ratio=recompute_ratio,
-                             max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                             stop=stop, return_logprobs=return_logprobs, **strategy_options)
-        return s._run_inline()
+        return self.stream_chat(messages, documents, strategy=strategy, recompute_ratio=recompute_ratio,
+                                max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                                stop=stop, return_logprobs=return_logprobs, **strategy_options).wait()
 
     def stream_chat(self, messages: Iterable[Any], documents: Iterable[Any] = (), *,
                     strategy: str | Strategy = DEFAULT_STRATEGY, recompute_ratio: float = 0.15,
@@ -209,12 +207,9 @@ class FusionEngine:
                     stop: list[str] | None = None, return_logprobs: bool = False,
                     **strategy_options: Any) -> GenerationStream:
         """`chat` as a stream of text deltas (see `stream`)."""
-        opts = self._options(strategy, strategy_options, recompute_ratio, max_new_tokens, temperature, top_p, seed,
-                             stop, None, return_logprobs)
-        msgs = _check_messages(messages)
-        docs = as_documents(documents)
-        cancel = threading.Event()
-        return GenerationStream(self._generate("", docs, *opts, cancel, messages=msgs), cancel=cancel)
+        return GenerationStream(self._request("", documents, messages, strategy, strategy_options, recompute_ratio,
+                                              max_new_tokens, temperature, top_p, seed, stop, None, return_logprobs),
+                                self.scheduler.submit)
 
     # -- asyncio fronts (what servers and the framework adapters' async paths use) ---------------------------
     async def agenerate(self, *args: Any, **kwargs: Any) -> GenerationResult:
@@ -226,7 +221,7 @@ class FusionEngine:
 
     def astream(self, *args: Any, **kwargs: Any) -> AsyncGenerationStream:
         """`stream` as an async iterator of text deltas (same arguments; validated here)."""
-        return AsyncGenerationStream(self.stream(*args, **kwargs))
+        return AsyncGenerationStream(self.stream(*args, **kwargs).detach(), self.scheduler.submit)
 
     async def achat(self, *args: Any, **kwargs: Any) -> GenerationResult:
         """`chat` without blocking the event loop (same arguments)."""
@@ -237,7 +232,7 @@ class FusionEngine:
 
     def astream_chat(self, *args: Any, **kwargs: Any) -> AsyncGenerationStream:
         """`stream_chat` as an async iterator of text deltas (same arguments; validated here)."""
-        return AsyncGenerationStream(self.stream_chat(*args, **kwargs))
+        return AsyncGenerationStream(self.stream_chat(*args, **kwargs).detach(), self.scheduler.submit)
 
     def register(self, docs: Iterable[Any]) -> int:
         """Remembers documents so that chat prompts containing their bodies are fused (no computation; `precompute`
@@ -248,7 +243,7 @@ class FusionEngine:
         """Evicts documents by id: their caches in memory and on disk, their id rows and their registration.
         Returns how many ids were known. Entries in use by a running request are left to it and dropped after."""
         ids = [check_text(i, "a document id") for i in ([doc_ids] if isinstance(doc_ids, str) else doc_ids)]
-        with self._lock:
+        with self.scheduler.exclusive():
             if self.store.disk is not None:
                 for i in ids:
                     self.store.disk.forget_registration(i)
@@ -265,10 +260,21 @@ class FusionEngine:
             self.store.disk.put_registration(doc.id, *fp)
         return True
 
+    def _request(self, question, docs, messages, strategy, strategy_options, recompute_ratio, max_new_tokens,
+                 temperature, top_p, seed, stop, teacher_ids, return_logprobs) -> Request:
+        """Validates a request (nothing computed yet) and returns it, ready for the scheduler."""
+        opts = self._options(strategy, strategy_options, recompute_ratio, max_new_tokens, temperature, top_p, seed,
+                             stop, teacher_ids, return_logprobs)
+        docs = as_documents(docs)
+        if messages is None:
+            check_text(question, "the question")
+        else:
+            messages = _check_messages(messages)
+        return Request(self, question, docs, messages, *opts)
+
     def _options(self, strategy, strategy_options, recompute_ratio, max_new_tokens, temperature, top_p, seed, stop,
                  teacher_ids, return_logprobs) -> tuple:
-        """Validates a request's options; returns (strategy, ratio, max_new, sampler, stop, teacher, return_logprobs),
-        the middle arguments of `_generate`."""
+        """Validates a request's options; returns (strategy, ratio, max_new, sampler, stop, teacher, return_logprobs)."""
         strat = check_strategy(strategy, strategy_options)
         recompute_ratio = check_real(recompute_ratio, "recompute_ratio", low=0.0, high=1.0)
         room = self.context_window - len(self.prompts.prefix_ids) - 1  # beside the prefix and >= 1 question token
@@ -294,15 +300,22 @@ class FusionEngine:
                                                  max_len=room), dtype=torch.long)
         docs = as_documents(docs)
         check_text(question, "the question")
-        with self._lock, self.store.hold():
+        t = int(target.numel())
+        with self.scheduler.exclusive(), self.store.hold(), _on_device(self.device):
             doc_ids = self._encode_documents(docs)
-            layout, segs, _ = self._prepare(question, docs, strat, doc_ids, reserve=int(target.numel()))
-            layout, segs, _ = self._reorder(question, docs, strat, recompute_ratio, layout, segs, doc_ids,
-                                            reserve=int(target.numel()))
-            out = self.runner.prefill(layout.ids, segs, strat, recompute_ratio, extra_capacity=int(target.numel()))
-            rows = [out.logits[None]]
-            if target.numel() > 1:
-                rows.append(self.runner.extend(out.state, target[:-1]))
+            layout, segs, _ = self._prepare(question, docs, strat, doc_ids, reserve=t)
+            layout, segs, _ = self._reorder(question, docs, strat, recompute_ratio, layout, segs, doc_ids, reserve=t)
+            slab = self.decoding.arena.alloc(layout.n + t)
+            if slab is None:
+                raise RuntimeError("the KV arena can't hold this prompt and target now")
+            out = self.runner.prefill(layout.ids, segs, strat, recompute_ratio, extra_capacity=t)
+            rows = [out.logits[None].clone()]
+            seq = self.decoding.open(out.pending, slab, t)
+            try:
+                if t > 1:
+                    rows.append(self.decoding.extend(seq, target[:-1]))
+            finally:
+                self.decoding.close(seq)
             return torch.log_softmax(torch.cat(rows).float(), dim=-1).cpu()
 
     def context_kv(self, question: str, docs: Iterable[Any]) -> ContextKV:
@@ -320,7 +333,7 @@ class FusionEngine:
         if not docs:
             raise ValueError("context_kv needs at least one document")
         full, reuse = make_strategy("full"), Reuse()
-        with self._lock, self.store.hold():
+        with self.scheduler.exclusive(), self.store.hold(), _on_device(self.device):
             doc_ids = self._encode_documents(docs)
             layout, segs, _ = self._prepare(question, docs, full, doc_ids)
             start, end = layout.docs[0].start, layout.docs[-1].end
@@ -347,13 +360,19 @@ class FusionEngine:
         """Scheduler gauges for a server's metrics: `running` (requests decoding), `queued` (waiting for a slot),
         `batch_size` (requests in the last decode step), `pool_rows_used` / `pool_rows_total` (KV rows of the GPU
         pool or decode arena), `requests_done`."""
-        pool = self.store.memory.pool
-        total = 0 if pool is None else pool.doc_rows
-        return {"running": int(self._lock.locked()), "queued": 0, "batch_size": int(self._lock.locked()),
-                "pool_rows_used": total - (0 if pool is None else pool.free_rows), "pool_rows_total": total,
-                "requests_done": 0}
+        pool = self.decoding.arena.pool
+        stats = self.scheduler.stats()
+        stats.update(pool_rows_used=pool.doc_rows - pool.free_rows, pool_rows_total=pool.doc_rows)
+        return stats
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stops taking requests; waits up to `timeout` seconds (None: until done) for queued and running requests
+        to finish, then cancels the rest (finish_reason "cancelled"). Later requests raise RuntimeError."""
+        self.scheduler.shutdown(timeout)
 
     def close(self) -> None:
+        """Shuts the scheduler down (cancelling what is still running) and closes the caches."""
+        self.scheduler.shutdown(timeout=0)
         self.store.close()
 
     # -- internals -------------------------------------------------------------------------------------
@@ -371,6 +390,15 @@ class FusionEngine:
                         id_index_bytes=cfg.id_index_bytes, disk_retry_s=cfg.disk_retry_s,
                         validate=self._validate_entry, disk_secret=cfg.cache_secret_bytes())
 
+    def _make_arena(self) -> Arena:
+        """Decode rows: the document pool itself (documents read in place), or a pool of their own (host tier)."""
+        pool = self.store.memory.pool
+        if pool is not None:
+            return Arena(pool, self.store.memory._evict_lru)
+        spec = self.decoder.spec
+        rows = self.config.decode_tokens or min(4 * self.context_window, 131072)
+        return Arena(KVPool(spec.n_layers, spec.n_kv_heads, spec.head_dim, rows, 1, self.dtype, self.device))
+
     def _validate_entry(self, kv: DocKV, length: int | None) -> None:
         """Raises CorruptEntry when an entry read from disk can't be this model's cache of `length` tokens
         (checksums catch damage; this catches a well-formed entry of the wrong shape, dtype or extras)."""
@@ -382,19 +410,6 @@ class FusionEngine:
             if t.dim() != 1 or t.dtype not in (torch.int32, torch.int64) or (
                     t.numel() and (int(t.min()) < 0 or int(t.max()) >= kv.length)):
                 raise CorruptEntry(f"extra {name!r} is not a list of token indices of this document")
-
-    def _acquire(self, cancel: threading.Event | None) -> bool:
-        """Takes the engine lock; with `cancel`, gives up (False) once it is set while waiting."""
-        if cancel is None:
-            self._lock.acquire()
-            return True
-        while not self._lock.acquire(timeout=0.05):
-            if cancel.is_set():
-                return False
-        if cancel.is_set():
-            self._lock.release()
-            return False
-        return True
 
     def _encode_documents(self, docs: list[Document]) -> list[list[int]]:
         """Each document's token ids (`PromptBuilder.encode_document`): the one tokenization of a request."""
@@ -577,96 +592,6 @@ class FusionEngine:
                                         reserve)
         return layout, segs, time.perf_counter() - t0
 
-    def _generate(self, question: str, docs: list[Document], strat: Strategy, ratio: float, max_new: int,
-                  sampler: Sampler, stop: list[str], teacher: torch.Tensor | None = None,
-                  return_logprobs: bool = False, cancel: threading.Event | None = None, *,
-                  messages: list[dict[str, str]] | None = None) -> Iterator[str]:
-        """Yields the answer's text deltas and returns its GenerationResult, holding the engine lock throughout.
-
-        `cancel` (a stream's): waited on while the lock is busy, and checked before every decode step; once set,
-        decoding ends (finish_reason "cancelled", no final delta, no logprob re-scoring) and the lock is released.
-        Cancelled before the lock was taken: returns None, having computed nothing."""
-        extra: dict[str, Any] = {}
-        t_call = time.perf_counter()
-        if not self._acquire(cancel):
-            return None
-        try:
-            t_start = time.perf_counter()
-            n_teacher = 0 if teacher is None else int(teacher.numel())
-            reserve = max(max_new, n_teacher)
-            with self.store.hold(), _on_device(self.device):
-                with span("kvfuse.prefill", strategy=strat.name, recompute_ratio=ratio, documents=len(docs),
-                          chat=messages is not None) as sp:
-                    before = self.store.snapshot()
-                    if messages is None:
-                        doc_ids = self._encode_documents(docs)
-                        layout, segs, miss_s = self._prepare(question, docs, strat, doc_ids, reserve)
-                        t_prefill = time.perf_counter()
-                        layout, segs, reorder_s = self._reorder(question, docs, strat, ratio, layout, segs, doc_ids,
-                                                                reserve)
-                    else:  # a chat: documents found by content, no reordering (the user's text stays as written)
-                        layout, segs, miss_s, found = self._prepare_chat(messages, docs, strat, reserve)
-                        extra["documents"] = [d.id for d in found]
-                        t_prefill, reorder_s = time.perf_counter(), 0.0
-                    out: PrefillOutput = self.runner.prefill(layout.ids, segs, strat, ratio, extra_capacity=reserve)
-                    token = sampler(out.logits)
-                    t_first = time.perf_counter()
-                    after = self.store.snapshot()
-                    set_attributes(sp, prompt_tokens=layout.n, doc_tokens=layout.doc_tokens,
-                                   recomputed_tokens=int(out.recomputed.numel()), cache_hits=after.hits - before.hits,
-                                   cache_misses=after.misses - before.misses, queue_s=t_start - t_call,
-                                   ttft_s=t_first - t_call)
-                if n_teacher:
-                    rows = [out.logits[None]]
-                    if n_teacher > 1:
-                        rows.append(self.runner.extend(out.state, teacher[:-1]))
-                        out.state.length = layout.n  # decoding overwrites the teacher rows
-                    extra["teacher_logprobs"] = torch.log_softmax(torch.cat(rows).float(), dim=-1).cpu()
-                tokens, text, emitted, finish = [], "", 0, "length"
-                while True:
-                    if token in self.eos_ids:
-                        finish = "stop"
-                        break
-                    tokens.append(token)
-                    text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-                    cut = _first_stop(text, stop)
-                    if cut is not None:
-                        text, finish = text[:cut], "stop"
-                        break
-                    safe = len(text) - _held_back(text, stop)
-                    if safe > emitted:
-                        yield text[emitted:safe]
-                        emitted = safe
-                    if len(tokens) >= max_new:
-                        break
-                    if cancel is not None and cancel.is_set():  # the reader closed or dropped the stream
-                        finish = "cancelled"
-                        break
-                    logits = self.runner.extend(out.state, torch.tensor([token]))[0]
-                    token = sampler(logits)
-                if len(text) > emitted and finish != "cancelled":
-                    yield text[emitted:]
-                t_end = time.perf_counter()
-                if return_logprobs and finish != "cancelled":  # the answer re-scored in one pass, as `teacher_ids`
-                    rows = [out.logits[None]]
-                    if len(tokens) > 1:
-                        out.state.length = layout.n
-                        rows.append(self.runner.extend(out.state, torch.tensor(tokens[:-1])))
-                    extra["logprobs"] = torch.log_softmax(torch.cat(rows).float(), dim=-1).cpu()
-        finally:
-            self._lock.release()
-        return GenerationResult(
-            text=text, token_ids=tokens, strategy=strat.name,
-            recompute_ratio=1.0 if not strat.uses_cache else (0.0 if strat.ignores_ratio else ratio),
-            finish_reason=finish, ttft_s=t_first - t_call, queue_s=t_start - t_call, prefill_s=t_first - t_prefill,
-            decode_s=t_end - t_first, selection_s=out.selection_s + reorder_s, miss_prefill_s=miss_s,
-            prompt_tokens=layout.n, doc_tokens=layout.doc_tokens, question_tokens=len(layout.tail),
-            recomputed_tokens=int(out.recomputed.numel()) if strat.uses_cache else layout.doc_tokens,
-            cache_hits=after.hits - before.hits, cache_misses=after.misses - before.misses,
-            stale=after.stale - before.stale, extra=extra,
-            recomputed_positions=out.recomputed.tolist() if strat.uses_cache else [],
-            doc_spans=[(sp.start, sp.end) for sp in layout.docs])
-
 
 _DOC_SLOT = "\x00KVFUSE-DOC-{}\x00"
 _DOC_SPLIT = re.compile("\x00KVFUSE-DOC-([0-9]+)\x00")
@@ -724,22 +649,6 @@ def _name_documents(docs: list[tuple[str, int]]) -> str:
     if len(docs) == 1:
         return f"document {docs[0][0]!r} ({docs[0][1]} tokens) is"
     return "documents " + ", ".join(f"{i!r} ({n} tokens)" for i, n in docs) + " are each"
-
-
-def _first_stop(text: str, stop: list[str]) -> int | None:
-    hits = [text.find(s) for s in stop if s and s in text]
-    return min(hits) if hits else None
-
-
-def _held_back(text: str, stop: list[str]) -> int:
-    """Characters to hold back: an incomplete UTF-8 sequence, or a suffix that may start a stop string."""
-    hold = 1 if text.endswith("\ufffd") else 0
-    for s in stop:
-        for k in range(min(len(s) - 1, len(text)), 0, -1):
-            if text.endswith(s[:k]):
-                hold = max(hold, k)
-                break
-    return hold
 
 
 def _eos_ids(hf_model, tokenizer) -> set[int]:

@@ -61,6 +61,12 @@ class EngineConfig:
             numbers (checksums catch damage, not forgery). Default: $KVFUSE_CACHE_SECRET, or unsigned.
         disk_retry_s: after the disk tier fails (read-only, full, not a database), caches are kept in memory
             only for this many seconds before the folder is tried again.
+        max_batch_size: requests decoding at once (one batched forward per decode step).
+        max_queued_requests: requests waiting for a batch slot; beyond it a request is refused with
+            EngineOverloaded (a server answers 429).
+        decode_tokens: rows of the decode arena when documents are not in a device pool (the host tier): every
+            running request's prompt and answer rows (0: 4 x the context window, capped at 131072). With the pool
+            tier, requests take their rows from the pool (a document's rows are shared, not copied).
     """
 
     memory_budget_bytes: int = 4 << 30
@@ -73,6 +79,9 @@ class EngineConfig:
     id_index_bytes: int = 16 << 20
     disk_retry_s: float = 60.0
     cache_secret: str | bytes | None = None
+    max_batch_size: int = 64
+    max_queued_requests: int = 1024
+    decode_tokens: int = 0
 
     def cache_secret_bytes(self) -> bytes | None:
         """The disk cache's signing secret: `cache_secret`, else $KVFUSE_CACHE_SECRET, else None (unsigned)."""
@@ -86,6 +95,8 @@ class EngineConfig:
             raise ValueError(f"kv_tier must be 'auto', 'pool' or 'host', got {self.kv_tier!r}")
         if self.memory_budget_bytes < 0 or self.disk_budget_bytes < 0 or self.id_index_bytes < 0:
             raise ValueError("cache budgets must be >= 0 bytes")
+        if self.max_batch_size < 1 or self.max_queued_requests < 0 or self.decode_tokens < 0:
+            raise ValueError("max_batch_size must be >= 1, max_queued_requests and decode_tokens >= 0")
         if not self.disk_retry_s >= 0:
             raise ValueError(f"disk_retry_s must be >= 0 seconds, got {self.disk_retry_s}")
         if self.disk_cache_dir is not None:

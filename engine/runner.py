@@ -10,12 +10,13 @@ Per layer of a fused prefill:
   4. scatter the fresh K/V over the cached rows, rotate all keys at their ABSOLUTE positions,
   5. attend: active query at position p sees keys at positions <= p only,
   6. finish the layer for the active rows.
-The rotated K/V of every layer land in a decode cache sized for the answer, so decoding continues in place.
+Decoding (engine/decode.py) continues from the prefill's K/V: the rows it computed go to the request's private
+arena rows, cached rows are read in place.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -29,7 +30,7 @@ from .models.base import Decoder
 from .sources import PooledSource, make_source, pool_rows
 from .store.entry import DocKV
 
-__all__ = ["Segment", "DecodeState", "PrefillOutput", "Runner"]
+__all__ = ["Segment", "PrefillOutput", "Runner"]
 
 
 @dataclass
@@ -109,28 +110,9 @@ class Segment:
 
 
 @dataclass
-class DecodeState:
-    """Rotated K/V of the whole sequence so far, with room to grow.
-
-    Attributes:
-        k, v: [n_layers, capacity, n_kv_heads, head_dim].
-        length: rows filled.
-    """
-
-    k: Tensor
-    v: Tensor
-    length: int
-    pending: tuple | None = None  # prompt K/V still to be written (see Runner.materialize)
-
-    @property
-    def capacity(self) -> int:
-        return int(self.k.shape[1])
-
-
-@dataclass
 class PrefillOutput:
     logits: Tensor | None  # [vocab] float32 logits of the last prompt token (None when not asked)
-    state: DecodeState | None
+    pending: tuple | None  # (source, per-layer fresh rows, n): what Decoding.open writes into the arena
     captured: DocKV | None  # pre-RoPE K/V of the captured rows, when asked
     recomputed: Tensor  # sorted positions of document rows recomputed (after the last check layer)
     selection_s: float = 0.0  # strategy time: probe pass, initial choice, check-layer refinement
@@ -149,7 +131,6 @@ class Runner:
         self._cos = self._sin = None
         self._retired: list = []
         self.graphs = _GraphCache(self) if cuda_graphs and decoder.device.type == "cuda" else None
-        self.decode_graphs = _DecodeGraphs(self) if self.graphs is not None else None
 
     # -- helpers ---------------------------------------------------------------------------------------
     def rope(self, n: int) -> tuple[Tensor, Tensor]:
@@ -168,17 +149,6 @@ class Runner:
 
     def _clock(self) -> _Clock:
         return _Clock(self.dec.device)
-
-    def _new_state(self, capacity: int, filled: int = 0) -> DecodeState:
-        """A decode cache of `capacity` rows; rows past `filled` are zeroed so that a step attending over the
-        whole capacity (masked by position) never multiplies a masked weight by uninitialised memory."""
-        s = self.spec
-        shape = (s.n_layers, capacity, s.n_kv_heads, s.head_dim)
-        state = DecodeState(torch.empty(shape, dtype=self.dec.dtype, device=self.dec.device),
-                            torch.empty(shape, dtype=self.dec.dtype, device=self.dec.device), 0)
-        state.k[:, filled:].zero_()
-        state.v[:, filled:].zero_()
-        return state
 
     # -- fused prefill ---------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -238,7 +208,7 @@ class Runner:
             clock.start()
             view = strategy.probe_keys(ctx)
             keys = None if view is None else torch.unique(torch.cat([view.to(ids.device), must_pos]))
-            ctx.question_attention = self._layers(ids, cached, must_pos, must_pos[:0], cos, sin, None, strategy,
+            ctx.question_attention = self._layers(ids, cached, must_pos, must_pos[:0], cos, sin, False, strategy,
                                                   ctx, probe_layers=probe_layers, probe_keys=keys,
                                                   source=source).probes
             clock.stop()
@@ -247,14 +217,10 @@ class Runner:
         chosen = (strategy.initial(ctx) if cached else candidates).to(ids.device)
         active = torch.sort(torch.cat([must_pos, chosen])).values
         clock.stop()
-        state = self._new_state(n + plan.extra_capacity, n) if plan.want_logits else None
-        run = self._layers(ids, cached, active, chosen, cos, sin, state, strategy, ctx, capture=plan.capture,
-                           must_pos=must_pos, clock=clock, source=source)
-        logits = None
-        if plan.want_logits:
-            logits = self.dec.logits(run.h[-1:])[0].float()
-            state.length = n
-        return PrefillOutput(logits=logits, state=state, captured=run.captured, recomputed=run.active_docs,
+        run = self._layers(ids, cached, active, chosen, cos, sin, plan.want_logits, strategy, ctx,
+                           capture=plan.capture, must_pos=must_pos, clock=clock, source=source)
+        logits = self.dec.logits(run.h[-1:])[0].float() if plan.want_logits else None
+        return PrefillOutput(logits=logits, pending=run.pending, captured=run.captured, recomputed=run.active_docs,
                              selection_s=clock.seconds())
 
     def _graph_key(self, plan: _Plan, strategy: Strategy, ratio: float):
@@ -281,9 +247,9 @@ class Runner:
         active_docs: Tensor
         captured: DocKV | None
         probes: dict
-        fresh: list  # per layer: (positions, k, v) of the rows computed at that layer (pre-RoPE)
+        pending: tuple | None  # (source, fresh, n); fresh per layer: (positions, k, v) computed there, pre-RoPE
 
-    def _layers(self, ids, cached, active, active_docs, cos, sin, state, strategy, ctx, *, capture=None,
+    def _layers(self, ids, cached, active, active_docs, cos, sin, keep, strategy, ctx, *, capture=None,
                 must_pos=None, probe_layers=(), probe_keys=None, clock=None, source=None) -> Runner._Run:
         """The layer loop over `active` rows.
 
@@ -310,7 +276,7 @@ class Runner:
         for i in range(last_layer + 1):
             if plain:
                 q, k, v = dec.project(i, h)
-                if state is not None:
+                if keep:
                     fresh.append((active, k, v))
                 if capture is not None:
                     cap_k.append(k[capture[0]:capture[1]].clone())
@@ -346,7 +312,7 @@ class Runner:
             scratch, rows = per_active
             scatter_rows(kpool, scratch, k)
             scatter_rows(vpool, scratch, v)
-            if state is not None:
+            if keep:
                 fresh.append((active, k, v))
             if capture is not None:
                 lo = int(torch.searchsorted(active, capture[0]))
@@ -370,62 +336,8 @@ class Runner:
             h = dec.finish(i, h, o)
             src.done_with(i)
         captured = DocKV(torch.stack(cap_k), torch.stack(cap_v)) if capture is not None else None
-        if state is not None:
-            state.pending = (src, fresh, n)  # written into the decode cache on the first extend (after TTFT)
         return Runner._Run(h=h, active=active, active_docs=active_docs, captured=captured, probes=probes,
-                           fresh=fresh)
-
-    @torch.inference_mode()
-    def materialize(self, state: DecodeState) -> None:
-        if state.pending is None:
-            return
-        """Writes every layer's rotated K/V of the prompt into the decode state: cached rows from the source,
-        overlaid with the rows computed at that layer."""
-        src, fresh, n = state.pending
-        state.pending = None
-        cos, sin = self.rope(n)
-        for i, (pos, k, v) in enumerate(fresh):
-            ck, cv = src.cached_layer(i)
-            ck[pos] = k
-            cv[pos] = v
-            state.k[i, :n] = apply_rope(ck, cos[:n], sin[:n])
-            state.v[i, :n] = cv
-
-    # -- decoding --------------------------------------------------------------------------------------
-    @torch.inference_mode()
-    def extend(self, state: DecodeState, ids: Tensor) -> Tensor:
-        """Appends T tokens to the decode state and returns their logits.
-
-        Args:
-            state: from `prefill` (grown in place).
-            ids: [T] token ids at positions state.length ...
-        Returns:
-            [T, vocab] float32 logits.
-        """
-        dec, spec = self.dec, self.spec
-        if state.pending is not None:
-            self.materialize(state)
-        if self.graphs is not None and ids.numel() == 1:
-            return self.decode_graphs.step(state, ids)
-        ids = ids.to(dec.device)
-        t = int(ids.numel())
-        p = state.length
-        if p + t > state.capacity:
-            raise RuntimeError(f"decode cache full ({state.capacity} rows)")
-        cos, sin = self.rope(p + t)
-        pos = torch.arange(p, p + t, device=dec.device)
-        kv_pos = torch.arange(p + t, device=dec.device)
-        c, s = cos[p:p + t], sin[p:p + t]
-        h = dec.embed_tokens(ids)
-        for i in range(spec.n_layers):
-            q, k, v = dec.project(i, h)
-            state.k[i, p:p + t] = apply_rope(k, c, s)
-            state.v[i, p:p + t] = v
-            o = fused_attention(apply_rope(q, c, s), pos, state.k[i, :p + t], state.v[i, :p + t], None, kv_pos,
-                                None, None, spec.scale)
-            h = dec.finish(i, h, o)
-        state.length = p + t
-        return dec.logits(h).float()
+                           pending=(src, fresh, n) if keep else None)
 
 
 class _GraphCache:
@@ -463,14 +375,12 @@ class _GraphCache:
             self.entries[key] = entry
         else:
             self.entries[key] = self.entries.pop(key)  # most recently used last
-        graph, static_ids, source, out, pending, _ = entry
+        graph, static_ids, source, out, _ = entry
         static_ids.copy_(ids, non_blocking=True)
         if source is not None:
             source.base_rows.copy_(_plan_rows(plan, source.pool).to(source.scratch_rows.device), non_blocking=True)
         graph.replay()
-        out.state.length = plan.n
-        out.state.pending = pending
-        return out
+        return out  # its logits and pending rows are the graph's static outputs: read before the next replay
 
     def _capture(self, plan: _Plan, ids: Tensor, strategy: Strategy, ratio: float):
         r = self.runner
@@ -493,66 +403,8 @@ class _GraphCache:
         with torch.cuda.graph(graph):
             out = r._device_prefill(plan, static_ids, cand, must, strategy, ratio, _NullClock(), source)
         # every tensor the graph reads must outlive it: the candidate and question index sets are kept too
-        return graph, static_ids, source, out, out.state.pending, (cand, must)
+        return graph, static_ids, source, out, (cand, must)
 
-
-
-class _DecodeGraphs:
-    """One-token decode steps as CUDA graphs: the step attends over the state's whole capacity, masked by
-    position (the attention kernel skips key tiles past the current position), so its shapes never change and
-    one graph per decode state replays every step. The position lives in a device tensor."""
-
-    def __init__(self, runner: Runner, max_graphs: int = 4) -> None:
-        self.runner = runner
-        self.max_graphs = max_graphs
-        self.entries: dict = {}
-
-    def _body(self, state: DecodeState, tok: Tensor, pos: Tensor, kv_pos: Tensor) -> Tensor:
-        r = self.runner
-        dec, spec = r.dec, r.spec
-        c, s = r._cos.index_select(0, pos), r._sin.index_select(0, pos)
-        h = dec.embed_tokens(tok)
-        for i in range(spec.n_layers):
-            q, k, v = dec.project(i, h)
-            state.k[i].index_copy_(0, pos, apply_rope(k, c, s))
-            state.v[i].index_copy_(0, pos, v)
-            o = fused_attention(apply_rope(q, c, s), pos, state.k[i], state.v[i], None, kv_pos, None, None,
-                                spec.scale)
-            h = dec.finish(i, h, o)
-        return dec.logits(h).float()
-
-    @torch.inference_mode()
-    def step(self, state: DecodeState, ids: Tensor) -> Tensor:
-        r = self.runner
-        dev = r.dec.device
-        if state.length + 1 > state.capacity:
-            raise RuntimeError(f"decode cache full ({state.capacity} rows)")
-        key = (state.k.data_ptr(), state.capacity)
-        entry = self.entries.get(key)
-        if entry is None:
-            r.rope(state.capacity)
-            tok = torch.zeros(1, dtype=torch.long, device=dev)
-            pos = torch.zeros(1, dtype=torch.long, device=dev)
-            kv_pos = torch.arange(state.capacity, device=dev)
-            tok.copy_(ids.view(1))
-            pos.fill_(state.length)
-            side = torch.cuda.Stream(dev)
-            side.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(side):  # warm-up (writes the same row the real step writes)
-                self._body(state, tok, pos, kv_pos)
-            torch.cuda.current_stream(dev).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                logits = self._body(state, tok, pos, kv_pos)
-            if len(self.entries) >= self.max_graphs:
-                self.entries.pop(next(iter(self.entries)))
-            entry = self.entries[key] = (graph, tok, pos, logits, kv_pos)  # inputs kept alive with the graph
-        graph, tok, pos, logits, _ = entry
-        tok.copy_(ids.view(1), non_blocking=True)
-        pos.fill_(state.length)
-        graph.replay()
-        state.length += 1
-        return logits.clone().view(1, -1)
 
 
 def _plan_rows(plan: _Plan, pool) -> Tensor:

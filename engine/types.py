@@ -151,105 +151,83 @@ _DELTA, _DONE, _ERROR = "delta", "done", "error"
 class GenerationStream:
     """Iterator over text deltas; `.result` holds the GenerationResult once exhausted.
 
-    The generator runs on a worker thread of its own, started by the first `next()`. The worker pushes deltas into
-    a queue (at most one per generated token) that the reader drains, from any thread. The engine is thus held
-    for the request's own compute only, never while it waits for a reader: a slow reader, or one that stopped
-    reading, delays no other request. An exception raised by the generator reaches the reader after the deltas
-    that came before it.
+    The first `next()` submits the request to the engine's scheduler, which computes it beside other requests
+    (continuous batching) and pushes its deltas into a queue this reader drains, from any thread: a slow reader,
+    or one that stopped reading, delays no other request. An error (e.g. a prompt over the context window, or
+    EngineOverloaded when the engine's queue is full) is raised by `next()`, after the deltas before it.
 
-    `close()`, and the stream being garbage-collected, set `cancel`: the generator checks it every decode step and
-    ends early (finish_reason "cancelled"). `close()` then waits for the worker (one decode step, or the prefill
-    under way), so the engine is free when it returns, and keeps the worker's GenerationResult in `.result`
-    (None when it was closed before computing began). After `close()`, `next()` raises StopIteration.
+    `close()`, and the stream being garbage-collected, set `cancel`: the request leaves the batch at the next
+    decode step (finish_reason "cancelled") and its rows are freed. `close()` waits for that, keeps the
+    GenerationResult in `.result` (None when closed before computing began); `next()` then raises StopIteration.
 
     Args:
-        gen: a generator that yields `str` deltas and returns the GenerationResult (None when cancelled before
-            computing began); it should watch `cancel`.
-        on_close: called once by `close()`.
-        cancel: the event `gen` watches (a new one when None).
+        request: the engine's request (its `sink` is set here, its `cancel` is ours).
+        submit: hands the request to the scheduler.
     """
 
-    def __init__(self, gen: Iterator[str], on_close: Callable[[], None] | None = None,
-                 cancel: threading.Event | None = None) -> None:
-        self._gen: Iterator[str] | None = gen
+    def __init__(self, request: Any, submit: Callable[[Any], None]) -> None:
+        self._request: Any = request
+        self._submit = submit
         self.result: GenerationResult | None = None
-        self._on_close = on_close
-        self.cancel = cancel if cancel is not None else threading.Event()
+        self.cancel: threading.Event = request.cancel
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._outcome: list[Any] = [None]  # the worker's GenerationResult, for close()
-        self._worker: threading.Thread | None = None
+        request.sink = self._queue.put
+        self._started = False
+        self._finished = False  # DONE or ERROR taken from the queue
         self._done = False  # exhausted, failed or closed: next() raises StopIteration
         self._guard = threading.Lock()
-        # the worker holds no reference to the stream, so a dropped stream is collected and cancels its request
-        weakref.finalize(self, self.cancel.set)
+        self._finalizer = weakref.finalize(self, self.cancel.set)  # the scheduler holds the request, not the stream
+
+    def detach(self) -> Any:
+        """Hands the (unstarted) request over to another front (the asyncio stream); this stream is spent."""
+        self._finalizer.detach()
+        self._done = True
+        return self._request
 
     def __iter__(self) -> GenerationStream:
         return self
 
-    def __next__(self) -> str:
+    def _start(self) -> None:
         with self._guard:
             if self._done:
                 raise StopIteration
-            if self._worker is None:
-                gen, self._gen = self._gen, None
-                self._worker = threading.Thread(target=_pump, args=(gen, self._queue, self._outcome),
-                                                name="kvfuse-stream-worker", daemon=True)
-                self._worker.start()
+            if not self._started:
+                self._started = True
+                try:
+                    self._submit(self._request)
+                except BaseException:
+                    self._done = self._finished = True
+                    raise
+
+    def __next__(self) -> str:
+        self._start()
         kind, value = self._queue.get()
         if kind == _DELTA:
             return value
-        self._done = True
+        self._done = self._finished = True
         if kind == _DONE:
             self.result = value
             raise StopIteration
         raise value
 
-    def _run_inline(self) -> GenerationResult | None:
-        """Runs the whole generation on the calling thread (no worker, no queue) and returns `.result`.
-
-        For `FusionEngine.generate`; only on a stream that was never iterated."""
-        with self._guard:
-            gen, self._gen = self._gen, None
-            if gen is None or self._done:
-                raise RuntimeError("this stream was already started or closed")
-            self._done = True
-        while True:
-            try:
-                next(gen)
-            except StopIteration as stop:
-                self.result = stop.value
-                return self.result
+    def wait(self) -> GenerationResult | None:
+        """Runs the request to its end (deltas discarded) and returns `.result`; raises its error."""
+        for _ in self:
+            pass
+        return self.result
 
     def close(self) -> None:
-        """Cancels the request (if still running), waits for its worker and releases it; idempotent."""
+        """Cancels the request (if still running), waits until the scheduler let it go; idempotent."""
         self.cancel.set()
         with self._guard:
             self._done = True
-            gen, self._gen, worker = self._gen, None, self._worker
-            on_close, self._on_close = self._on_close, None
-        if gen is not None:  # never started: nothing computed, nothing held
-            gen.close()
-        if worker is not None and worker is not threading.current_thread():
-            worker.join()
-            if self.result is None:
-                self.result = self._outcome[0]
-        if on_close:
-            on_close()
-
-
-def _pump(gen: Iterator[str], out: queue.SimpleQueue, outcome: list[Any]) -> None:
-    """The worker of a GenerationStream: runs `gen` to its end, queueing its deltas, result or exception."""
-    try:
-        while True:
-            try:
-                delta = next(gen)
-            except StopIteration as stop:
-                outcome[0] = stop.value
-                out.put((_DONE, stop.value))
-                return
-            out.put((_DELTA, delta))
-    except BaseException as exc:  # re-raised to the reader, after the deltas that came before it
-        out.put((_ERROR, exc))
+            started = self._started
+        while started and not self._finished:
+            kind, value = self._queue.get()
+            if kind != _DELTA:
+                self._finished = True
+                if kind == _DONE and self.result is None:
+                    self.result = value
 
 
 class EngineOverloaded(RuntimeError):
@@ -261,40 +239,64 @@ class EngineOverloaded(RuntimeError):
 
 
 class AsyncGenerationStream:
-    """`async for delta in stream` over a GenerationStream; `.result` once exhausted; `await aclose()` cancels.
+    """`async for delta in stream`: the asyncio twin of GenerationStream (same request, same scheduler); deltas
+    arrive through the event loop, never blocking it. `.result` once exhausted; `await aclose()` cancels."""
 
-    Each delta is awaited without blocking the event loop.
-    """
-
-    def __init__(self, stream: GenerationStream) -> None:
-        self._stream = stream
-
-    @property
-    def result(self) -> GenerationResult | None:
-        return self._stream.result
+    def __init__(self, request: Any, submit: Callable[[Any], None]) -> None:
+        self._request: Any = request
+        self._submit = submit
+        self.result: GenerationResult | None = None
+        self.cancel: threading.Event = request.cancel
+        self._queue: Any = None
+        self._started = self._finished = self._done = False
+        weakref.finalize(self, self.cancel.set)
 
     def __aiter__(self) -> AsyncGenerationStream:
         return self
 
-    async def __anext__(self) -> str:
+    def _start(self) -> None:
+        if self._started:
+            return
         import asyncio
 
-        item = await asyncio.to_thread(_next_or_end, self._stream)
-        if item is _END:
+        loop = asyncio.get_running_loop()
+        self._queue = asyncio.Queue()
+        put, cancel = self._queue.put_nowait, self.cancel
+
+        def sink(item: tuple[str, Any]) -> None:
+            try:
+                loop.call_soon_threadsafe(put, item)
+            except RuntimeError:  # the loop is gone: nobody reads this request any more
+                cancel.set()
+
+        self._request.sink = sink
+        self._started = True
+        try:
+            self._submit(self._request)
+        except BaseException:
+            self._done = self._finished = True
+            raise
+
+    async def __anext__(self) -> str:
+        if self._done:
             raise StopAsyncIteration
-        return item
+        self._start()
+        kind, value = await self._queue.get()
+        if kind == _DELTA:
+            return value
+        self._done = self._finished = True
+        if kind == _DONE:
+            self.result = value
+            raise StopAsyncIteration
+        raise value
 
     async def aclose(self) -> None:
-        import asyncio
-
-        await asyncio.to_thread(self._stream.close)
-
-
-_END = object()
-
-
-def _next_or_end(stream: GenerationStream) -> Any:
-    try:
-        return next(stream)
-    except StopIteration:
-        return _END
+        """Cancels the request and waits until the scheduler let it go; idempotent."""
+        self.cancel.set()
+        self._done = True
+        while self._started and not self._finished:
+            kind, value = await self._queue.get()
+            if kind != _DELTA:
+                self._finished = True
+                if kind == _DONE and self.result is None:
+                    self.result = value

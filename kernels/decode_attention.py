@@ -6,8 +6,8 @@
 - k, v [R, Hkv, D]: one arena of rows shared by every sequence (a document's rows are read in place by every
   sequence that uses it); k holds keys BEFORE RoPE.
 - row_map [B, C] int64: sequence b's key at position p lives in row ``row_map[b, p]``; positions
-  ``p <= q_pos[b]`` are attended to, the rest are ignored (they must still name a row of the arena, whose values
-  must be finite: the torch path gathers them and zeroes their weight).
+  ``p <= q_pos[b]`` are attended to, the rest are ignored (they must name a row of the arena; what it holds,
+  even NaN, never reaches the output).
 - cos/sin [P, D] (P > max q_pos): RoPE tables indexed by position (HF layout); a key is rotated at its position
   as it is read (deferred RoPE), so shared rows are never rotated in place or copied.
 - GQA: Hq % Hkv == 0, q head h reads kv head ``h // (Hq // Hkv)``. Softmax in fp32; output in q's dtype.
@@ -56,10 +56,11 @@ def decode_attention_reference(q, q_pos, k, v, row_map, cos, sin, scale):
     b, hq, d = q.shape
     c = row_map.shape[1]
     rows = row_map.long()
-    keys = k[rows].transpose(1, 2)                                  # [B, Hkv, C, D]
-    keys = rope_in_dtype(keys, cos[:c], sin[:c])                   # position p = column p
-    values = v[rows].transpose(1, 2)                               # [B, Hkv, C, D]
     visible = torch.arange(c, device=q.device)[None, :] <= q_pos.long()[:, None]   # [B, C]
+    hidden = ~visible[:, :, None, None]
+    keys = k[rows].masked_fill(hidden, 0).transpose(1, 2)          # [B, Hkv, C, D]; rows not yet written: 0
+    keys = rope_in_dtype(keys, cos[:c], sin[:c])                   # position p = column p
+    values = v[rows].masked_fill(hidden, 0).transpose(1, 2)        # [B, Hkv, C, D]
     out = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=visible[:, None, None, :],
                                          scale=scale, enable_gqa=hq != k.shape[1])  # [B, Hq, 1, D]
     return out[:, :, 0, :]

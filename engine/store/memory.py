@@ -28,7 +28,9 @@ class MemoryTier:
         self.used = 0
         self.evictions = 0
         self._items: OrderedDict[str, DocKV] = OrderedDict()
-        self.held: set[str] = set()  # keys in use by the running request: never evicted
+        self.held: set[str] = set()  # keys in use by the request being prepared: never evicted
+        self.pins: dict[str, int] = {}  # keys read in place by decoding requests (reference counts): never evicted
+        self._zombies: dict[str, list[DocKV]] = {}  # replaced or dropped while pinned: rows freed at the last unpin
 
     def __contains__(self, key: str) -> bool:
         return key in self._items
@@ -72,7 +74,7 @@ class MemoryTier:
     def _evict_lru(self) -> bool:
         """Evicts the least recently used entry not held; False when there is none."""
         for key in self._items:
-            if key not in self.held:
+            if key not in self.held and key not in self.pins:
                 self._release(self._items.pop(key))
                 self.evictions += 1
                 return True
@@ -85,8 +87,29 @@ class MemoryTier:
 
     def discard(self, key: str) -> None:
         kv = self._items.pop(key, None)
-        if kv is not None:
+        if kv is None:
+            return
+        if key in self.pins:  # a decoding request still reads these rows
+            self.used -= kv.nbytes
+            self._zombies.setdefault(key, []).append(kv)
+        else:
             self._release(kv)
+
+    def pin(self, keys) -> None:
+        """Marks entries as read in place by a running request: never evicted, rows never reused."""
+        for key in keys:
+            self.pins[key] = self.pins.get(key, 0) + 1
+
+    def unpin(self, keys) -> None:
+        for key in keys:
+            left = self.pins.get(key, 0) - 1
+            if left > 0:
+                self.pins[key] = left
+                continue
+            self.pins.pop(key, None)
+            for kv in self._zombies.pop(key, []):
+                if kv.pool is not None:
+                    kv.pool.free(kv.offset, kv.length)
 
     def clear(self) -> None:
         for key in list(self._items):

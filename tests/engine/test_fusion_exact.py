@@ -27,8 +27,12 @@ def _prefill_logits(engine: FusionEngine, question, docs, strategy, ratio=0.15, 
 
     layout, segs, _ = engine._prepare(question, as_documents(docs), strat)
     out = engine.runner.prefill(layout.ids, segs, strat, ratio, extra_capacity=0)
-    engine.runner.materialize(out.state)  # write the prompt's K/V into the decode cache (normally lazy)
+    out.seq = _open(engine, out, layout.n)  # the prompt's K/V written into the decode arena
     return layout, out
+
+
+def _open(engine, out, n):
+    return engine.decoding.open(out.pending, engine.decoding.arena.alloc(n), 0)
 
 
 def _hf_logits(hf, ids: torch.Tensor) -> torch.Tensor:
@@ -120,12 +124,12 @@ def test_repositioning_is_exact(family, tiny_engine):
 
     layout, segs, _ = engine._prepare(QUESTION, as_documents(DOCS), strat)
     out = engine.runner.prefill(layout.ids, segs, strat, 0.0, extra_capacity=0)
-    engine.runner.materialize(out.state)
+    seq = _open(engine, out, layout.n)
     cache = DynamicCache(config=engine.hf_model.config)
     with torch.inference_mode():
         engine.hf_model(layout.ids[None], **_cache_kw(engine.hf_model, cache), use_cache=True)
     hf_k = cache.layers[0].keys[0].transpose(0, 1)  # [N, kv_heads, D] after RoPE
-    ours = out.state.k[0, : layout.n]
+    ours = engine.decoding.keys(seq, 0)
     last = layout.docs[-1]
     assert last.start > layout.docs[0].end  # the last document really moved
     torch.testing.assert_close(ours, hf_k, rtol=1e-5, atol=1e-5)
@@ -140,7 +144,7 @@ def test_recomputed_rows_attend_by_absolute_position(tiny_engine, monkeypatch):
     def early_k(eng):
         _, out = _prefill_logits(eng, QUESTION, docs, "epic", ratio=0.3)
         first = eng.layout(QUESTION, docs).docs[0]
-        return out.state.k[-1, first.start:first.start + 3].clone()
+        return eng.decoding.keys(out.seq, eng.decoder.spec.n_layers - 1)[first.start:first.start + 3].clone()
 
     docs = DOCS
     a = early_k(engine)

@@ -52,6 +52,13 @@ def test_positions_past_the_query_are_ignored():
     for i in range(q.shape[0]):  # point every invisible position somewhere else: nothing may change
         moved[i, int(q_pos[i]) + 1:] = 0
     torch.testing.assert_close(decode_attention_reference(q, q_pos, k, v, moved, cos, sin, 0.3), base)
+    poisoned_k, poisoned_v = k.clone(), v.clone()  # rows only invisible positions use: NaN must not leak
+    only_hidden = set(row_map[0, int(q_pos[0]) + 1:].tolist()) - set(row_map[0, :int(q_pos[0]) + 1].tolist())
+    for r in only_hidden:
+        poisoned_k[r, :, :] = float("nan")
+        poisoned_v[r, :, :] = float("nan")
+    out = decode_attention_reference(q[:1], q_pos[:1], poisoned_k, poisoned_v, row_map[:1], cos, sin, 0.3)
+    torch.testing.assert_close(out, base[:1])
     visible = row_map.clone()
     visible[0, 0] = (visible[0, 0] + 1) % k.shape[0]  # a visible key changed: the output must change
     assert not torch.allclose(decode_attention_reference(q, q_pos, k, v, visible, cos, sin, 0.3)[0], base[0])

@@ -1,0 +1,370 @@
+"""The scheduler: many requests at once over one engine (continuous batching).
+
+One thread computes. Each iteration it admits at most one waiting request (its fused prefill and first token),
+then runs ONE batched decode step for every running request, so a long prefill delays the others' next token by
+at most one prefill, and a request joins or leaves the batch between any two steps. Everything else that needs
+the model (precompute, forget, teacher-forced scoring) takes the engine between iterations (`exclusive`).
+
+Admission: at most `max_batch_size` requests decode at once; a request waits (in a queue of at most
+`max_queued_requests`; beyond it `submit` raises EngineOverloaded) until a slot and `n + max_new` arena rows are
+free. A cancelled request (its stream closed or dropped) leaves the batch at the next step and frees its rows.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections import deque
+from typing import Any, Callable
+
+import torch
+
+from .tracing import set_attributes, span
+from .types import EngineOverloaded, GenerationResult
+
+__all__ = ["Request", "Scheduler"]
+
+log = logging.getLogger("kvfuse.scheduler")
+
+DELTA, DONE, ERROR = "delta", "done", "error"
+
+
+class _NoRoom(Exception):
+    """The arena can't hold the request's rows until a running request finishes."""
+
+
+class Request:
+    """One generation request as it moves through the scheduler.
+
+    Args:
+        engine: the FusionEngine (its prompt building, cache service and runner do the work).
+        question / docs / messages: what to answer (a chat when `messages` is given).
+        strat, ratio, max_new, sampler, stop, teacher, return_logprobs: validated options.
+    Attributes:
+        cancel: set by the reader (close, drop) to end the request at the next step.
+        sink: `sink((kind, value))` delivers DELTA text, then DONE result or ERROR exception (set by the stream).
+    """
+
+    def __init__(self, engine, question: str, docs: list, messages: list | None, strat, ratio: float, max_new: int,
+                 sampler, stop: list[str], teacher: torch.Tensor | None, return_logprobs: bool) -> None:
+        self.engine = engine
+        self.question, self.docs, self.messages = question, docs, messages
+        self.strat, self.ratio, self.max_new, self.sampler = strat, ratio, max_new, sampler
+        self.stop, self.teacher, self.return_logprobs = stop, teacher, return_logprobs
+        self.cancel = threading.Event()
+        self.sink: Callable[[tuple[str, Any]], None] | None = None
+        self.t_call = time.perf_counter()
+        self.seq = None
+        self.pins: set[str] = set()
+        self.tokens: list[int] = []
+        self.text, self.emitted, self.finish = "", 0, "length"
+        self.next_token: int | None = None
+        self.extra: dict[str, Any] = {}
+
+    # -- phases (scheduler thread) ------------------------------------------------------------------------------
+    def start(self, decoding) -> bool:
+        """Prefill and first token. Returns whether the request goes on decoding. Raises _NoRoom to wait."""
+        eng, strat = self.engine, self.strat
+        store = eng.store
+        self.t_start = time.perf_counter()
+        n_teacher = 0 if self.teacher is None else int(self.teacher.numel())
+        reserve = max(self.max_new, n_teacher)
+        with store.hold(), span("kvfuse.prefill", strategy=strat.name, recompute_ratio=self.ratio,
+                                documents=len(self.docs), chat=self.messages is not None) as sp:
+            before = store.snapshot()
+            if self.messages is None:
+                doc_ids = eng._encode_documents(self.docs)
+                layout, segs, miss_s = eng._prepare(self.question, self.docs, strat, doc_ids, reserve)
+                self.t_prefill = time.perf_counter()
+                layout, segs, reorder_s = eng._reorder(self.question, self.docs, strat, self.ratio, layout, segs,
+                                                       doc_ids, reserve)
+            else:  # a chat: documents found by content, no reordering (the user's text stays as written)
+                layout, segs, miss_s, found = eng._prepare_chat(self.messages, self.docs, strat, reserve)
+                self.extra["documents"] = [d.id for d in found]
+                self.t_prefill, reorder_s = time.perf_counter(), 0.0
+            slab = decoding.arena.alloc(layout.n + reserve)
+            if slab is None:
+                raise _NoRoom
+            try:
+                out = eng.runner.prefill(layout.ids, segs, strat, self.ratio, extra_capacity=reserve)
+                token = self.sampler(out.logits)
+                self.t_first = time.perf_counter()
+                self.pins = set(store.memory.held)  # the documents the sequence reads in place stay put
+                store.memory.pin(self.pins)
+                self.seq = decoding.open(out.pending, slab, reserve)
+            except BaseException:
+                if self.seq is None:
+                    decoding.arena.free(slab, layout.n + reserve)
+                raise
+            after = store.snapshot()
+            set_attributes(sp, prompt_tokens=layout.n, doc_tokens=layout.doc_tokens,
+                           recomputed_tokens=int(out.recomputed.numel()), cache_hits=after.hits - before.hits,
+                           cache_misses=after.misses - before.misses, queue_s=self.t_start - self.t_call,
+                           ttft_s=self.t_first - self.t_call)
+        self.layout, self.miss_s, self.stats = layout, miss_s, (before, after)
+        self.selection_s = out.selection_s + reorder_s
+        self.recomputed = out.recomputed.tolist() if strat.uses_cache else []
+        self.first_logits = out.logits.clone() if (n_teacher or self.return_logprobs) else None
+        if n_teacher:
+            rows = [self.first_logits[None]]
+            if n_teacher > 1:
+                rows.append(decoding.extend(self.seq, self.teacher[:-1]))
+                self.seq.length = layout.n  # decoding overwrites the teacher rows
+            self.extra["teacher_logprobs"] = torch.log_softmax(torch.cat(rows).float(), dim=-1).cpu()
+        return self.accept(token)
+
+    def accept(self, token: int) -> bool:
+        """Takes a sampled token: emits the text it completes; returns whether to decode another."""
+        eng = self.engine
+        if token in eng.eos_ids:
+            self.finish = "stop"
+            return False
+        self.tokens.append(token)
+        self.text = eng.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        cut = _first_stop(self.text, self.stop)
+        if cut is not None:
+            self.text, self.finish = self.text[:cut], "stop"
+            return False
+        safe = len(self.text) - _held_back(self.text, self.stop)
+        if safe > self.emitted:
+            self.sink((DELTA, self.text[self.emitted:safe]))
+            self.emitted = safe
+        if len(self.tokens) >= self.max_new:
+            return False
+        if self.cancel.is_set():
+            self.finish = "cancelled"
+            return False
+        self.next_token = token
+        return True
+
+    def complete(self, decoding) -> None:
+        """Final delta, optional re-scoring, rows given back, result delivered."""
+        if len(self.text) > self.emitted and self.finish != "cancelled":
+            self.sink((DELTA, self.text[self.emitted:]))
+        t_end = time.perf_counter()
+        if self.return_logprobs and self.finish != "cancelled":  # the answer re-scored in one pass
+            rows = [self.first_logits[None]]
+            if len(self.tokens) > 1:
+                self.seq.length = self.layout.n
+                rows.append(decoding.extend(self.seq, torch.tensor(self.tokens[:-1])))
+            self.extra["logprobs"] = torch.log_softmax(torch.cat(rows).float(), dim=-1).cpu()
+        self.release(decoding)
+        strat, layout = self.strat, self.layout
+        before, after = self.stats
+        self.sink((DONE, GenerationResult(
+            text=self.text, token_ids=self.tokens, strategy=strat.name,
+            recompute_ratio=1.0 if not strat.uses_cache else (0.0 if strat.ignores_ratio else self.ratio),
+            finish_reason=self.finish, ttft_s=self.t_first - self.t_call, queue_s=self.t_start - self.t_call,
+            prefill_s=self.t_first - self.t_prefill, decode_s=t_end - self.t_first, selection_s=self.selection_s,
+            miss_prefill_s=self.miss_s, prompt_tokens=layout.n, doc_tokens=layout.doc_tokens,
+            question_tokens=len(layout.tail),
+            recomputed_tokens=len(self.recomputed) if strat.uses_cache else layout.doc_tokens,
+            cache_hits=after.hits - before.hits, cache_misses=after.misses - before.misses,
+            stale=after.stale - before.stale, extra=self.extra, recomputed_positions=self.recomputed,
+            doc_spans=[(sp.start, sp.end) for sp in layout.docs])))
+
+    def release(self, decoding) -> None:
+        """Gives back the sequence's rows and the documents' pins (idempotent)."""
+        if self.seq is not None:
+            decoding.close(self.seq)
+            self.seq = None
+        if self.pins:
+            self.engine.store.memory.unpin(self.pins)
+            self.pins = set()
+
+    def fail(self, decoding, exc: BaseException) -> None:
+        try:
+            self.release(decoding)
+        finally:
+            self.sink((ERROR, exc))
+
+
+class Scheduler:
+    """Runs requests on one thread, decoding every running request in one batched step.
+
+    Args:
+        engine: the FusionEngine.
+        decoding: engine/decode.py's Decoding (arena, decode step).
+        max_batch_size: requests decoding at once.
+        max_queued_requests: requests waiting for a slot before `submit` refuses.
+    """
+
+    def __init__(self, engine, decoding, max_batch_size: int, max_queued_requests: int) -> None:
+        self.engine = engine
+        self.decoding = decoding
+        self.max_batch = max_batch_size
+        self.max_queue = max_queued_requests
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.lock = threading.Lock()  # held while computing: an iteration, or an exclusive operation
+        self._cond = threading.Condition()
+        self._exclusive_waiters = 0
+        self._thread: threading.Thread | None = None
+        self._closing = False
+        self.last_batch = 0
+        self.peak_batch = 0
+        self.steps = 0
+        self.done = 0
+
+    # -- any thread -----------------------------------------------------------------------------------------------
+    def submit(self, req: Request) -> None:
+        """Queues a request (its `sink` set). Raises EngineOverloaded when the queue is full, RuntimeError once
+        the engine is shut down."""
+        with self._cond:
+            if self._closing:
+                raise RuntimeError("the engine is shut down")
+            if len(self.waiting) >= self.max_queue:
+                raise EngineOverloaded(f"{len(self.waiting)} requests are waiting (max_queued_requests="
+                                       f"{self.max_queue}); retry later", retry_after_s=1.0)
+            self.waiting.append(req)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="kvfuse-scheduler", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def exclusive(self):
+        """The engine to oneself between two scheduler iterations (precompute, forget, scoring)."""
+        with self._cond:
+            self._exclusive_waiters += 1
+        try:
+            self.lock.acquire()
+        finally:
+            with self._cond:
+                self._exclusive_waiters -= 1
+                self._cond.notify_all()
+        try:
+            yield
+        finally:
+            self.lock.release()
+
+    def stats(self) -> dict[str, int]:
+        with self._cond:
+            return {"running": len(self.running), "queued": len(self.waiting), "batch_size": self.last_batch,
+                    "peak_batch_size": self.peak_batch, "decode_steps": self.steps, "requests_done": self.done}
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stops admitting; waits up to `timeout` seconds (None: forever) for queued and running requests to
+        finish, then cancels what is left and stops the thread."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self.waiting or self.running:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    for r in list(self.waiting) + self.running:
+                        r.cancel.set()
+                    self._cond.notify_all()
+                    deadline = None  # cancelled requests end at the next step
+                    continue
+                self._cond.wait(0.05 if left is None else min(left, 0.05))
+            self._cond.notify_all()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+
+    # -- the scheduler thread -------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        from .api import _on_device
+
+        while True:
+            with self._cond:
+                while (not self.waiting and not self.running and not self._closing) or self._exclusive_waiters:
+                    self._cond.wait(0.1)
+                if self._closing and not self.waiting and not self.running:
+                    self._thread = None
+                    return
+            with self.lock, _on_device(self.engine.device), torch.inference_mode():
+                self._iteration()
+            with self._cond:
+                self._cond.notify_all()
+
+    def _iteration(self) -> None:
+        with self._cond:
+            while self.waiting and self.waiting[0].cancel.is_set():  # closed before it started: nothing computed
+                r = self.waiting.popleft()
+                r.sink((DONE, None))
+                self.done += 1
+            req = self.waiting.popleft() if self.waiting and len(self.running) < self.max_batch else None
+        if req is not None:
+            self._admit(req)
+        if self.running:
+            self._step()
+
+    def _admit(self, req: Request) -> None:
+        try:
+            going = req.start(self.decoding)
+        except _NoRoom:
+            if self.running:  # rows free up when a running request ends
+                with self._cond:
+                    self.waiting.appendleft(req)
+                return
+            req.fail(self.decoding, RuntimeError(
+                "the request's prompt and answer need more KV rows than the arena holds (raise memory_budget_bytes "
+                "or decode_tokens, or lower max_new_tokens)"))
+            self._retire(None)
+            return
+        except BaseException as exc:  # noqa: BLE001  (delivered to the request's reader)
+            req.fail(self.decoding, exc)
+            self._retire(None)
+            return
+        if going:
+            self.running.append(req)
+        else:
+            self._finish(req)
+
+    def _step(self) -> None:
+        batch = list(self.running)
+        self.last_batch = len(batch)
+        self.peak_batch = max(self.peak_batch, len(batch))
+        try:
+            logits = self.decoding.step([r.seq for r in batch], [r.next_token for r in batch])
+            greedy = logits.argmax(dim=-1).tolist()  # one host sync for the whole batch
+        except BaseException as exc:  # noqa: BLE001  (a failed step fails the requests in it, not the engine)
+            log.exception("decode step failed")
+            for r in batch:
+                r.fail(self.decoding, exc)
+            self.running = []
+            self._retire(None, len(batch))
+            return
+        self.steps += 1
+        ended = []
+        for b, r in enumerate(batch):
+            token = greedy[b] if r.sampler.temperature == 0 else r.sampler(logits[b])
+            if not r.accept(token):
+                ended.append(r)
+        if ended:
+            with self._cond:
+                self.running = [r for r in batch if r not in ended]
+            for r in ended:
+                self._finish(r)
+
+    def _finish(self, req: Request) -> None:
+        try:
+            req.complete(self.decoding)
+        except BaseException as exc:  # noqa: BLE001
+            req.fail(self.decoding, exc)
+        self._retire(None)
+
+    def _retire(self, _req, n: int = 1) -> None:
+        with self._cond:
+            self.done += n
+            self._cond.notify_all()
+
+
+def _first_stop(text: str, stop: list[str]) -> int | None:
+    hits = [text.find(s) for s in stop if s and s in text]
+    return min(hits) if hits else None
+
+
+def _held_back(text: str, stop: list[str]) -> int:
+    """Characters to hold back: an incomplete UTF-8 sequence, or a suffix that may start a stop string."""
+    hold = 1 if text.endswith("\ufffd") else 0
+    for s in stop:
+        for k in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:k]):
+                hold = max(hold, k)
+                break
+    return hold

@@ -1,0 +1,206 @@
+"""The scheduler: many requests decoded together give each the tokens it gets alone; cancellation, admission,
+queue bounds, one physical copy of shared documents, pins against eviction, shutdown, asyncio."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+
+import pytest
+import torch
+
+from kvfuse.engine.types import EngineOverloaded
+
+from cases import DOCS, QUESTION
+
+LONG = [("l1", "The western ridge holds three abandoned copper mines, worked from 1820 until the floods of 1871. "
+               "Miners walked from Esk each morning along the river path."),
+        ("l2", "Larkspur's first director, Mara Quill, was born in Esk and trained as a surveyor before astronomy.")]
+
+# (strategy, ratio, documents, question, max_new_tokens): mixed strategies, lengths and answer lengths
+REQUESTS = [
+    ("full", 1.0, DOCS, QUESTION, 12),
+    ("reuse", 0.0, DOCS[:2], "Who founded it?", 7),
+    ("cacheblend", 0.3, DOCS + LONG, QUESTION, 15),
+    ("epic", 0.2, LONG, "Where was Mara Quill born?", 9),
+    ("infoflow", 0.15, DOCS[1:] + LONG[:1], "What was mined?", 11),
+]
+
+
+def _solo(engine, req):
+    strategy, ratio, docs, question, n = req
+    return engine.generate(question, docs, strategy=strategy, recompute_ratio=ratio, max_new_tokens=n).token_ids
+
+
+def _together(engine, reqs):
+    """All requests in flight at once (each stream started before any is drained); tokens per request."""
+    streams = [engine.stream(q, d, strategy=s, recompute_ratio=r, max_new_tokens=n) for s, r, d, q, n in reqs]
+    firsts = [next(s, None) for s in streams]  # submits each; the scheduler admits one per decode step
+    del firsts
+    for s in streams:
+        for _ in s:
+            pass
+    return [s.result.token_ids for s in streams]
+
+
+@pytest.mark.parametrize("tier", ["host", "pool"])
+def test_batched_equals_single_in_any_arrival_order(tiny_engine, tier):
+    engine = tiny_engine("llama", kv_tier=tier, memory_budget_bytes=32 << 20)
+    engine.precompute(DOCS)  # some documents cached before, the others computed by the requests themselves
+    solo = [_solo(engine, r) for r in REQUESTS]
+    for order in [range(len(REQUESTS)), [4, 2, 0, 3, 1], [1, 3, 4, 0, 2]]:
+        order = list(order)
+        got = _together(engine, [REQUESTS[i] for i in order])
+        assert got == [solo[i] for i in order]
+    stats = engine.serving_stats()
+    assert stats["peak_batch_size"] >= 3, stats  # they really were decoded together
+    assert stats["running"] == 0 and stats["queued"] == 0
+    assert not engine.store.memory.pins  # every pin released
+
+
+def test_batched_equals_single_across_families(tiny_engine):
+    for family in ("qwen2", "mistral"):
+        engine = tiny_engine(family)
+        solo = [_solo(engine, r) for r in REQUESTS[:3]]
+        assert _together(engine, REQUESTS[:3]) == solo
+
+
+def test_sampled_requests_keep_their_own_seeds_in_a_batch(tiny_engine):
+    engine = tiny_engine("llama")
+    kw = dict(max_new_tokens=10, temperature=0.9, top_p=0.95)
+    solo = [engine.generate(QUESTION, DOCS, seed=s, **kw).token_ids for s in (1, 2, 3)]
+    streams = [engine.stream(QUESTION, DOCS, seed=s, **kw) for s in (1, 2, 3)]
+    for s in streams:
+        next(s, None)
+    for s in streams:
+        list(s)
+    assert [s.result.token_ids for s in streams] == solo
+
+
+def test_one_physical_copy_of_shared_documents(tiny_engine):
+    """With the pool tier a document's rows are read in place by every request: a reuse request owns private
+    rows only for what it computed (prefix glue, question, answer), never for the documents."""
+    engine = tiny_engine("llama", kv_tier="pool", memory_budget_bytes=32 << 20)
+    engine.precompute(DOCS)
+    host = tiny_engine("llama", kv_tier="host")
+    pool = engine.decoding.arena.pool
+    free_before = pool.free_rows
+    streams = [engine.stream(QUESTION, DOCS, strategy="reuse", max_new_tokens=6) for _ in range(3)]
+    for s in streams:
+        next(s)
+    with engine.scheduler.exclusive():  # between two steps: all three are decoding
+        seqs = [r.seq for r in engine.scheduler.running]
+        layout = engine.layout(QUESTION, DOCS)
+        assert len(seqs) == 3
+        for sq in seqs:
+            assert sq.shared_rows >= layout.doc_tokens  # documents (and the cached prefix) read in place
+        private = sum(sq.slab[1] for sq in seqs)
+        assert free_before - pool.free_rows == private
+        assert private < 3 * layout.n  # a copy per request would need 3 x n rows at least
+    for s in streams:
+        list(s)
+    want = host.generate(QUESTION, DOCS, strategy="reuse", max_new_tokens=6).token_ids
+    assert all(s.result.token_ids == want for s in streams)
+    assert pool.free_rows == free_before
+
+
+def test_pinned_documents_survive_eviction_pressure(tiny_engine):
+    """While a request decodes over pooled documents, a flood of new documents can't evict their rows."""
+    engine = tiny_engine("llama", kv_tier="pool", memory_budget_bytes=1 << 20)
+    want = tiny_engine("llama").generate(QUESTION, DOCS[:2], strategy="reuse", max_new_tokens=12).token_ids
+    engine.precompute(DOCS[:2])
+    s = engine.stream(QUESTION, DOCS[:2], strategy="reuse", max_new_tokens=12)
+    next(s)
+    flood = [(f"f{i}", f"Filler document number {i} about nothing in particular, repeated. " * 3) for i in range(40)]
+    engine.precompute(flood)  # more than the pool holds: evicts everything it may
+    assert engine.cache_stats()["evictions"] > 0
+    list(s)
+    assert s.result.token_ids == want
+
+
+def test_cancel_frees_the_slot_at_once(tiny_engine):
+    engine = tiny_engine("llama")
+    pool = engine.decoding.arena.pool
+    free_before = pool.free_rows
+    long = engine.stream(QUESTION, DOCS, max_new_tokens=200, stop=["\x00never"])
+    other = engine.stream("Who founded it?", DOCS[:1], max_new_tokens=5)
+    next(long)
+    long.close()
+    assert long.result.finish_reason in ("cancelled", "stop")
+    assert engine.serving_stats()["running"] == 0
+    assert "".join(other) == engine.generate("Who founded it?", DOCS[:1], max_new_tokens=5).text
+    assert pool.free_rows == free_before
+
+
+def test_dropped_stream_is_cancelled(tiny_engine):
+    import gc
+
+    engine = tiny_engine("llama")
+    s = engine.stream(QUESTION, DOCS, max_new_tokens=300)
+    next(s)
+    del s
+    gc.collect()
+    done = threading.Event()
+
+    def ok():
+        engine.generate("Who founded it?", DOCS[:1], max_new_tokens=3)
+        done.set()
+
+    threading.Thread(target=ok, daemon=True).start()
+    assert done.wait(60)
+    assert engine.serving_stats()["running"] == 0
+
+
+def test_queue_bound_refuses_with_overloaded(tiny_engine):
+    engine = tiny_engine("llama", max_queued_requests=1, max_batch_size=1)
+    with engine.scheduler.exclusive():  # the scheduler can't take anything off the queue meanwhile
+        first = engine.stream(QUESTION, DOCS, max_new_tokens=3)
+        first._start()
+        second = engine.stream(QUESTION, DOCS, max_new_tokens=3)
+        with pytest.raises(EngineOverloaded) as err:
+            next(second)
+        assert err.value.retry_after_s > 0
+    assert list(first) and first.result.finish_reason in ("stop", "length")
+
+
+def test_admission_waits_for_rows_instead_of_failing(tiny_engine):
+    """An arena that fits one request at a time: the others wait for rows and all finish, in order of arrival."""
+    engine = tiny_engine("llama", decode_tokens=200)
+    want = _solo(engine, ("full", 1.0, DOCS, QUESTION, 20))
+    outs = _together(engine, [("full", 1.0, DOCS, QUESTION, 20)] * 3)
+    assert outs == [want] * 3
+    assert engine.serving_stats()["peak_batch_size"] == 1
+    too_big = engine.stream(QUESTION, DOCS + LONG, max_new_tokens=150)
+    with pytest.raises(RuntimeError, match="KV rows"):
+        list(too_big)
+
+
+def test_shutdown_finishes_in_flight_then_refuses(tiny_engine):
+    engine = tiny_engine("llama")
+    s = engine.stream(QUESTION, DOCS, max_new_tokens=8)
+    next(s)
+    engine.shutdown(timeout=30)
+    rest = list(s)
+    assert s.result is not None and s.result.finish_reason in ("stop", "length")
+    assert rest is not None
+    with pytest.raises(RuntimeError, match="shut down"):
+        engine.generate(QUESTION, DOCS, max_new_tokens=2)
+
+
+def test_asyncio_requests_run_together(tiny_engine):
+    engine = tiny_engine("llama")
+    solo = [_solo(engine, r) for r in REQUESTS]
+
+    async def main():
+        return await asyncio.gather(*[engine.agenerate(q, d, strategy=s, recompute_ratio=r, max_new_tokens=n)
+                                      for s, r, d, q, n in REQUESTS])
+
+    results = asyncio.run(main())
+    assert [r.token_ids for r in results] == solo
+
+    async def streamed():
+        st = engine.astream(QUESTION, DOCS, max_new_tokens=6)
+        return "".join([d async for d in st]), st.result
+
+    text, res = asyncio.run(streamed())
+    assert text == res.text and res.token_ids == solo[0][:len(res.token_ids)] or res.strategy
