@@ -75,7 +75,8 @@ class FusionEngine:
         # requests run on the scheduler's thread, decoded together (engine/scheduler.py); other model work takes
         # the engine between two of its iterations (`self.scheduler.exclusive()`)
         self.decoding = Decoding(self.runner, self._make_arena(), self.config.cuda_graphs)
-        self.scheduler = Scheduler(self, self.decoding, self.config.max_batch_size, self.config.max_queued_requests)
+        self.scheduler = Scheduler(self, self.decoding, self.config.max_batch_size, self.config.max_queued_requests,
+                                   self.config.prefill_tokens_per_step)
         # Offline per-document work some strategies read (see _doc_kvs): extras stored with a document's cache
         # (name -> fn(engine, ids, kv) -> {name: tensor}), cache variants (name -> fn(engine, strategy, doc, ids)
         # -> (DocKV, tokens computed)), and the corpus that neighbour-based variants (fusionrag) search.
@@ -383,8 +384,10 @@ class FusionEngine:
         if tier == "pool":
             row_bytes = 2 * spec.n_layers * spec.n_kv_heads * spec.head_dim * self.decoder.embed.element_size()
             scratch = cfg.scratch_tokens or min(self.context_window, 32768)
-            pool = KVPool(spec.n_layers, spec.n_kv_heads, spec.head_dim, max(1, cfg.memory_budget_bytes // row_bytes),
-                          scratch, self.dtype, self.device)
+            # documents (up to the memory budget) and the running requests' decode rows share one pool
+            pool = KVPool(spec.n_layers, spec.n_kv_heads, spec.head_dim,
+                          max(1, cfg.memory_budget_bytes // row_bytes) + self._decode_rows(), scratch, self.dtype,
+                          self.device)
         return DocStore(cfg.memory_budget_bytes, cfg.disk_cache_dir, cfg.disk_budget_bytes, device=self.device,
                         pool=pool, pin=tier == "host" and self.device.type == "cuda", id_scope=self._prefix_key[:32],
                         id_index_bytes=cfg.id_index_bytes, disk_retry_s=cfg.disk_retry_s,
@@ -396,8 +399,12 @@ class FusionEngine:
         if pool is not None:
             return Arena(pool, self.store.memory._evict_lru)
         spec = self.decoder.spec
-        rows = self.config.decode_tokens or min(4 * self.context_window, 131072)
-        return Arena(KVPool(spec.n_layers, spec.n_kv_heads, spec.head_dim, rows, 1, self.dtype, self.device))
+        return Arena(KVPool(spec.n_layers, spec.n_kv_heads, spec.head_dim, self._decode_rows(), 1, self.dtype,
+                            self.device))
+
+    def _decode_rows(self) -> int:
+        """Rows kept for running requests' prompts and answers (`decode_tokens`; default: two of the longest)."""
+        return self.config.decode_tokens or 2 * min(self.context_window, 32768)
 
     def _validate_entry(self, kv: DocKV, length: int | None) -> None:
         """Raises CorruptEntry when an entry read from disk can't be this model's cache of `length` tokens

@@ -62,11 +62,15 @@ class EngineConfig:
         disk_retry_s: after the disk tier fails (read-only, full, not a database), caches are kept in memory
             only for this many seconds before the folder is tried again.
         max_batch_size: requests decoding at once (one batched forward per decode step).
+        prefill_tokens_per_step: between two decode steps the scheduler starts waiting requests until the prompt
+            tokens they computed reach this (at least one request): higher fills batches faster, lower keeps the
+            running requests' inter-token latency steadier.
         max_queued_requests: requests waiting for a batch slot; beyond it a request is refused with
             EngineOverloaded (a server answers 429).
-        decode_tokens: rows of the decode arena when documents are not in a device pool (the host tier): every
-            running request's prompt and answer rows (0: 4 x the context window, capped at 131072). With the pool
-            tier, requests take their rows from the pool (a document's rows are shared, not copied).
+        decode_tokens: KV rows kept for running requests (their computed prompt rows and answers), beyond the
+            documents' memory budget (0: twice the context window, capped at 2 x 32768). With the pool tier they are
+            rows of the same pool (a document's rows are read in place, never copied; requests may also take rows
+            of evicted documents); with the host tier, a decode arena of their own on the compute device.
     """
 
     memory_budget_bytes: int = 4 << 30
@@ -81,6 +85,7 @@ class EngineConfig:
     cache_secret: str | bytes | None = None
     max_batch_size: int = 64
     max_queued_requests: int = 1024
+    prefill_tokens_per_step: int = 4096
     decode_tokens: int = 0
 
     def cache_secret_bytes(self) -> bytes | None:
@@ -95,8 +100,10 @@ class EngineConfig:
             raise ValueError(f"kv_tier must be 'auto', 'pool' or 'host', got {self.kv_tier!r}")
         if self.memory_budget_bytes < 0 or self.disk_budget_bytes < 0 or self.id_index_bytes < 0:
             raise ValueError("cache budgets must be >= 0 bytes")
-        if self.max_batch_size < 1 or self.max_queued_requests < 0 or self.decode_tokens < 0:
-            raise ValueError("max_batch_size must be >= 1, max_queued_requests and decode_tokens >= 0")
+        if (self.max_batch_size < 1 or self.max_queued_requests < 0 or self.decode_tokens < 0
+                or self.prefill_tokens_per_step < 1):
+            raise ValueError("max_batch_size and prefill_tokens_per_step must be >= 1, max_queued_requests and "
+                             "decode_tokens >= 0")
         if not self.disk_retry_s >= 0:
             raise ValueError(f"disk_retry_s must be >= 0 seconds, got {self.disk_retry_s}")
         if self.disk_cache_dir is not None:

@@ -1,8 +1,9 @@
 """The scheduler: many requests at once over one engine (continuous batching).
 
-One thread computes. Each iteration it admits at most one waiting request (its fused prefill and first token),
-then runs ONE batched decode step for every running request, so a long prefill delays the others' next token by
-at most one prefill, and a request joins or leaves the batch between any two steps. Everything else that needs
+One thread computes. Each iteration it admits waiting requests (fused prefill and first token each) until the
+tokens they computed reach `prefill_tokens_per_step` (at least one request), then runs ONE batched decode step
+for every running request: prefills interleave with decode under a per-step token budget, so a burst of arrivals
+delays the others' next token by about one budget, and a request joins or leaves the batch between any two steps. Everything else that needs
 the model (precompute, forget, teacher-forced scoring) takes the engine between iterations (`exclusive`).
 
 Admission: at most `max_batch_size` requests decode at once; a request waits (in a queue of at most
@@ -190,8 +191,10 @@ class Scheduler:
         max_queued_requests: requests waiting for a slot before `submit` refuses.
     """
 
-    def __init__(self, engine, decoding, max_batch_size: int, max_queued_requests: int) -> None:
+    def __init__(self, engine, decoding, max_batch_size: int, max_queued_requests: int,
+                 prefill_tokens_per_step: int = 2048) -> None:
         self.engine = engine
+        self.prefill_budget = prefill_tokens_per_step
         self.decoding = decoding
         self.max_batch = max_batch_size
         self.max_queue = max_queued_requests
@@ -204,6 +207,8 @@ class Scheduler:
         self._closing = False
         self.last_batch = 0
         self.peak_batch = 0
+        self.private_rows_seen: deque[int] = deque(maxlen=4096)  # per request: arena rows it owned
+        self.prompt_rows_seen: deque[int] = deque(maxlen=4096)  # per request: rows a private copy would need
         self.steps = 0
         self.done = 0
 
@@ -282,38 +287,50 @@ class Scheduler:
                 self._cond.notify_all()
 
     def _iteration(self) -> None:
-        with self._cond:
-            while self.waiting and self.waiting[0].cancel.is_set():  # closed before it started: nothing computed
-                r = self.waiting.popleft()
-                r.sink((DONE, None))
-                self.done += 1
-            req = self.waiting.popleft() if self.waiting and len(self.running) < self.max_batch else None
-        if req is not None:
-            self._admit(req)
+        spent = 0
+        while spent < self.prefill_budget:
+            with self._cond:
+                while self.waiting and self.waiting[0].cancel.is_set():  # closed before it started: nothing computed
+                    r = self.waiting.popleft()
+                    r.sink((DONE, None))
+                    self.done += 1
+                req = self.waiting.popleft() if self.waiting and len(self.running) < self.max_batch else None
+            if req is None:
+                break
+            computed = self._admit(req)
+            if computed is None:  # waiting for rows
+                break
+            spent += computed
         if self.running:
             self._step()
 
-    def _admit(self, req: Request) -> None:
+    def _admit(self, req: Request) -> int | None:
+        """Starts a request; returns the prompt tokens it computed, or None when it has to wait for rows."""
         try:
             going = req.start(self.decoding)
         except _NoRoom:
             if self.running:  # rows free up when a running request ends
                 with self._cond:
                     self.waiting.appendleft(req)
-                return
+                return None
             req.fail(self.decoding, RuntimeError(
                 "the request's prompt and answer need more KV rows than the arena holds (raise memory_budget_bytes "
                 "or decode_tokens, or lower max_new_tokens)"))
             self._retire(None)
-            return
+            return 0
         except BaseException as exc:  # noqa: BLE001  (delivered to the request's reader)
             req.fail(self.decoding, exc)
             self._retire(None)
-            return
+            return 0
+        if req.seq is not None:
+            self.private_rows_seen.append(req.seq.slab[1])
+            self.prompt_rows_seen.append(req.seq.capacity)
+        computed = req.layout.n - (req.seq.shared_rows if req.seq is not None else 0)
         if going:
             self.running.append(req)
         else:
             self._finish(req)
+        return max(1, computed)
 
     def _step(self) -> None:
         batch = list(self.running)

@@ -24,7 +24,7 @@ class MemoryTier:
         if budget_bytes < 0:
             raise ValueError("memory budget must be >= 0 bytes")
         self.pool = pool
-        self.budget = int(budget_bytes) if pool is None else pool.doc_rows * pool.row_bytes
+        self.budget = int(budget_bytes) if pool is None else min(int(budget_bytes), pool.doc_rows * pool.row_bytes)
         self.used = 0
         self.evictions = 0
         self._items: OrderedDict[str, DocKV] = OrderedDict()

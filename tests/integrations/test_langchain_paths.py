@@ -396,14 +396,14 @@ def test_timeout_cancels_a_slow_call(engine, passages):
 
     # time waiting for a busy engine counts: hold the engine (as a running request does) past the deadline
     waiting = ChatKVFuse(engine=engine, max_tokens=2, timeout=0.5)
-    with engine._lock:
+    with engine.scheduler.exclusive():
         t0 = time.perf_counter()
         with pytest.raises(TimeoutError):
             waiting.invoke("hi")
         elapsed = time.perf_counter() - t0
         time.sleep(0.2)  # the cancelled request gives up waiting: it must not take the engine after this
     assert 0.5 <= elapsed < 0.5 + 2.0, elapsed  # raised at the deadline, not when the engine came free
-    assert not engine._lock.locked()
+    assert not engine.scheduler.lock.locked()
     after = ChatKVFuse(engine=engine, max_tokens=2, timeout=120).invoke("hi")
     assert after.usage_metadata["output_tokens"] > 0  # the engine serves the next request
 

@@ -33,17 +33,18 @@ def no_work(engine):
             raise AssertionError(f"work started ({name}) before the input was rejected")
         return f
 
-    saved = {n: getattr(engine.runner, n) for n in ("prefill", "extend")}
+    saved = {(engine.runner, "prefill"): engine.runner.prefill, (engine.decoding, "step"): engine.decoding.step,
+             (engine.decoding, "extend"): engine.decoding.extend}
     saved_store = {n: getattr(engine.store, n) for n in ("lookup", "put")}
-    for n in saved:
-        setattr(engine.runner, n, refuse(f"runner.{n}"))
+    for obj, n in saved:
+        setattr(obj, n, refuse(f"{type(obj).__name__}.{n}"))
     for n in saved_store:
         setattr(engine.store, n, refuse(f"store.{n}"))
     try:
         yield
     finally:
-        for n, f in saved.items():
-            setattr(engine.runner, n, f)
+        for (obj, n), f in saved.items():
+            setattr(obj, n, f)
         for n, f in saved_store.items():
             setattr(engine.store, n, f)
     assert calls == []

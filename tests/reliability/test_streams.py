@@ -24,7 +24,6 @@ from cases import DOCS, QUESTION
 pytestmark = pytest.mark.timeout(600)
 
 TESTS_DIR = Path(__file__).resolve().parents[1]
-WORKER_NAME = "kvfuse-stream-worker"
 
 
 def in_thread(fn, timeout: float = 120.0):
@@ -48,32 +47,34 @@ def in_thread(fn, timeout: float = 120.0):
 
 
 def lock_is_free(engine, timeout: float = 30.0) -> bool:
-    if not engine._lock.acquire(timeout=timeout):
+    if not engine.scheduler.lock.acquire(timeout=timeout):
         return False
-    engine._lock.release()
+    engine.scheduler.lock.release()
     return True
 
 
 def count_decode_steps(monkeypatch, engine, delay: float = 0.0) -> list[int]:
-    """Wraps runner.extend: records each call (and sleeps `delay` seconds in it, to make decoding slow)."""
+    """Wraps the batched decode step: records each call's batch size (and sleeps `delay` seconds in it, to make
+    decoding slow)."""
     calls: list[int] = []
-    inner = engine.runner.extend
+    inner = engine.decoding.step
 
-    def extend(state, ids):
-        calls.append(int(ids.numel()))
+    def step(seqs, tokens):
+        calls.append(len(tokens))
         if delay:
             time.sleep(delay)
-        return inner(state, ids)
+        return inner(seqs, tokens)
 
-    monkeypatch.setattr(engine.runner, "extend", extend)
+    monkeypatch.setattr(engine.decoding, "step", step)
     return calls
 
 
-def join_workers(timeout: float = 30.0) -> None:
-    for t in threading.enumerate():
-        if t.name == WORKER_NAME:
-            t.join(timeout)
-            assert not t.is_alive(), "a stream worker is still running"
+def wait_idle(engine, timeout: float = 30.0) -> None:
+    """Waits until the scheduler runs no request (a cancelled one leaves at the next decode step)."""
+    end = time.monotonic() + timeout
+    while engine.serving_stats()["running"] or engine.serving_stats()["queued"]:
+        assert time.monotonic() < end, "a request is still running"
+        time.sleep(0.01)
 
 
 def test_abandoned_stream_does_not_block_the_next_request_on_the_same_thread(tiny_engine):
@@ -99,7 +100,7 @@ def test_abandoned_stream_does_not_block_the_next_request_on_the_same_thread(tin
     s = engine.stream(QUESTION, DOCS, max_new_tokens=10)
     assert in_thread(lambda: next(s))
     other = in_thread(lambda: engine.generate(QUESTION, DOCS[1:], max_new_tokens=4))
-    assert other.token_ids and lock_is_free(engine, timeout=0)
+    assert other.token_ids and lock_is_free(engine, timeout=5)
     s.close()
 
 
@@ -119,7 +120,7 @@ def test_dropped_stream_is_cancelled_and_frees_the_engine(tiny_engine, monkeypat
         return lock_is_free(engine)  # the worker holds the lock until it ends: now it ended
 
     assert in_thread(drop)
-    join_workers()
+    wait_idle(engine)
     assert len(calls) < 20, f"{len(calls)} decode steps: the dropped stream was not cancelled"
     monkeypatch.undo()
     assert engine.generate(QUESTION, DOCS, max_new_tokens=6).token_ids == ref.token_ids  # engine state intact
@@ -132,7 +133,8 @@ def test_closed_stream_is_cancelled_at_the_next_decode_step(tiny_engine, monkeyp
     s = engine.stream(QUESTION, DOCS, max_new_tokens=200, return_logprobs=True)
     first = in_thread(lambda: next(s))
     in_thread(s.close, timeout=30)
-    assert lock_is_free(engine, timeout=0)  # close() waited for the worker
+    stats = engine.serving_stats()  # close() waited until the request left the batch, its rows given back
+    assert stats["running"] == 0 and stats["pool_rows_used"] == 1  # the arena's dummy row only
     r = s.result
     assert r is not None and r.finish_reason == "cancelled" and r.text.startswith(first)
     assert 1 <= len(r.token_ids) < 20 and len(calls) < 20 and "logprobs" not in r.extra
@@ -185,15 +187,15 @@ def test_worker_exception_reaches_the_reader_after_the_earlier_deltas(tiny_engin
     engine = tiny_engine("llama")
     engine.eos_ids = set()
     ref = engine.generate(QUESTION, DOCS, max_new_tokens=8)
-    inner, steps = engine.runner.extend, []
+    inner, steps = engine.decoding.step, []
 
-    def failing_extend(state, ids):
+    def failing_step(seqs, tokens):
         steps.append(1)
         if len(steps) == 4:
             raise RuntimeError("boom in decode step 4")
-        return inner(state, ids)
+        return inner(seqs, tokens)
 
-    monkeypatch.setattr(engine.runner, "extend", failing_extend)
+    monkeypatch.setattr(engine.decoding, "step", failing_step)
     s = engine.stream(QUESTION, DOCS, max_new_tokens=8)
     got: list[str] = []
 

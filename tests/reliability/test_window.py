@@ -34,7 +34,8 @@ def forbid_model_work(monkeypatch, engine) -> None:
         raise AssertionError("the model ran before the length check")
 
     monkeypatch.setattr(engine.runner, "prefill", fail)
-    monkeypatch.setattr(engine.runner, "extend", fail)
+    monkeypatch.setattr(engine.decoding, "step", fail)
+    monkeypatch.setattr(engine.decoding, "extend", fail)
     monkeypatch.setattr(engine, "_compute_doc", fail)
 
 
