@@ -22,6 +22,7 @@ import anyio
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvfuse.engine.types import Document, EngineOverloaded
@@ -74,10 +75,23 @@ class ServerState:
         self.metrics.draining.set(1)
 
     # -- documents ---------------------------------------------------------------------------------------
-    def resolve(self, refs: list[str | DocumentIn] | None) -> list[Document]:
-        """A request's `documents`: inline ones are validated (and remembered by id), bare ids looked up."""
+    def resolve(self, refs: list[Any] | None) -> list[Document]:
+        """A request's `documents`: inline ones ({id, text, title?}) are validated (and remembered by id), bare
+        ids looked up."""
         out = []
         for i, ref in enumerate(refs or []):
+            if isinstance(ref, dict):
+                try:
+                    ref = DocumentIn.model_validate(ref)
+                except ValidationError as e:
+                    first = e.errors()[0]
+                    where = ".".join(str(p) for p in first["loc"])
+                    raise APIError(400, f"documents[{i}]{'.' + where if where else ''}: {first['msg']} (a document "
+                                        f"is {{id, text, title?}} or the id of one registered before)",
+                                   param=f"documents[{i}]") from None
+            elif not isinstance(ref, (str, DocumentIn)):
+                raise APIError(400, f"documents[{i}] must be an object {{id, text, title?}} or a document id "
+                                    f"(string), got {type(ref).__name__}", param=f"documents[{i}]")
             if isinstance(ref, str):
                 doc = self.documents.get(ref)
                 if doc is None:

@@ -1,6 +1,7 @@
 """Serving the app with uvicorn: one bound socket, SIGTERM / SIGINT drain then stop."""
 from __future__ import annotations
 
+import contextlib
 import socket
 import sys
 
@@ -23,6 +24,13 @@ class _Server(uvicorn.Server):
         self._state.start_draining()
         super().handle_exit(sig, frame)
 
+    @contextlib.contextmanager
+    def capture_signals(self):
+        # uvicorn re-raises the stop signal once it is done; a drained server exits with status 0 instead
+        with super().capture_signals():
+            yield
+            self._captured_signals.clear()
+
 
 def serve(app, *, host: str = "127.0.0.1", port: int = 8000, shutdown_timeout: float = 30.0,
           log_level: str = "warning") -> None:
@@ -44,4 +52,4 @@ def serve(app, *, host: str = "127.0.0.1", port: int = 8000, shutdown_timeout: f
         server.run(sockets=[sock])
     finally:
         sock.close()
-    sys.stdout.flush()
+    print("kvfuse: stopped", file=sys.stderr, flush=True)

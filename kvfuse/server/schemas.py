@@ -45,7 +45,7 @@ class _Request(BaseModel):
     logit_bias: dict[str, Any] | None = None
     user: str | None = None
     # kvfuse extensions
-    documents: list[Union[str, DocumentIn]] | None = None
+    documents: list[Any] | None = None  # DocumentIn objects, or ids (str) of documents registered before
     strategy: str | None = None
     recompute_ratio: float | None = None
 
