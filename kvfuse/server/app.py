@@ -55,6 +55,7 @@ class ServerState:
         self.streams: set[Any] = set()  # engine streams not closed yet
         self.metrics = ServerMetrics(engine)
         self.created = int(time.time())
+        self.loop: asyncio.AbstractEventLoop | None = None  # the serving loop, once started
 
     # -- admission --------------------------------------------------------------------------------------
     def admit(self) -> None:
@@ -70,9 +71,19 @@ class ServerState:
         self.pending -= 1
         self.metrics.in_flight.set(self.pending)
 
-    def start_draining(self) -> None:
+    def start_draining(self, cancel_after_s: float | None = None) -> None:
+        """Refuses new requests from now on; with `cancel_after_s`, cancels the requests still running then
+        (their clients get a `shutting_down` error; thread-safe: called from a signal handler)."""
         self.draining = True
         self.metrics.draining.set(1)
+        loop = self.loop
+        if cancel_after_s is not None and loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(loop.call_later, cancel_after_s,
+                                      lambda: loop.create_task(self.cancel_all()))
+
+    async def cancel_all(self) -> None:
+        for s in list(self.streams):
+            await _close(self, s)
 
     # -- documents ---------------------------------------------------------------------------------------
     def resolve(self, refs: list[Any] | None) -> list[Document]:
@@ -138,6 +149,10 @@ def _engine_error(exc: BaseException) -> APIError:
         return APIError(400, msg, code=code)
     log.exception("request failed", exc_info=exc)
     return APIError(500, f"internal error: {type(exc).__name__}")
+
+
+_SHUT_DOWN = APIError(503, "the server shut down before the answer was complete", code="shutting_down",
+                      retry_after_s=1.0)
 
 
 def _usage(result) -> dict[str, Any]:
@@ -232,6 +247,9 @@ async def _generate(state: ServerState, endpoint: str, req, start) -> Response:
             if not req.stream:
                 parts = [d async for d in stream]
                 result = stream.result
+                if result is None or result.finish_reason == "cancelled":
+                    state.metrics.cancelled(endpoint)
+                    raise _SHUT_DOWN
                 state.metrics.observe(endpoint, result, time.perf_counter() - t0)
                 return JSONResponse(shapes.response("".join(parts), result))
             first = await anext(stream, None)  # errors before the first token are still an HTTP error
@@ -252,6 +270,9 @@ async def _generate(state: ServerState, endpoint: str, req, start) -> Response:
                 yield _sse(error_body(_engine_error(exc)))
                 return
             result = stream.result
+            if result is None or result.finish_reason == "cancelled":  # closed by the shutdown, not the client
+                yield _sse(error_body(_SHUT_DOWN))
+                return
             state.metrics.observe(endpoint, result, time.perf_counter() - t0)
             done["observed"] = True
             yield _sse(shapes.chunk(None, _finish(result), usage=include_usage))
@@ -301,12 +322,12 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        asyncio.get_running_loop().set_default_executor(
+        state.loop = asyncio.get_running_loop()
+        state.loop.set_default_executor(
             ThreadPoolExecutor(max_workers=worker_threads or max_pending + 16, thread_name_prefix="kvfuse-server"))
         yield
         state.start_draining()
-        for s in list(state.streams):  # whatever the graceful period left running
-            await _close(state, s)
+        await state.cancel_all()  # whatever the graceful period left running
         if owns_engine:
             stop = getattr(engine, "shutdown", None) or getattr(engine, "close", None)
             if stop is not None:

@@ -13,15 +13,18 @@ __all__ = ["serve"]
 class _Server(uvicorn.Server):
     """uvicorn's server, telling the app to refuse new requests (503) as soon as a stop signal arrives.
 
-    uvicorn then stops accepting connections, waits up to `timeout_graceful_shutdown` for the responses in flight
-    (streams included) and cancels what is left; the app's lifespan end closes the streams and the engine."""
+    uvicorn then stops accepting connections and waits for the responses in flight (streams included); the app
+    cancels the requests still running `shutdown_timeout` seconds after the signal (their clients get an error
+    event or a 503), so they end through the app, and uvicorn's own timeout, a little later, is only a backstop.
+    The app's lifespan end then shuts the engine down."""
 
-    def __init__(self, config: uvicorn.Config, state) -> None:
+    def __init__(self, config: uvicorn.Config, state, shutdown_timeout: float) -> None:
         super().__init__(config)
-        self._state = state
+        self._state, self._timeout = state, shutdown_timeout
 
     def handle_exit(self, sig, frame) -> None:
-        self._state.start_draining()
+        if not self._state.draining:
+            self._state.start_draining(cancel_after_s=self._timeout)
         super().handle_exit(sig, frame)
 
     @contextlib.contextmanager
@@ -43,9 +46,9 @@ def serve(app, *, host: str = "127.0.0.1", port: int = 8000, shutdown_timeout: f
     sock.listen(2048)
     sock.set_inheritable(True)
     bound = sock.getsockname()[1]
-    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout,
+    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout + 5.0,
                             lifespan="on", access_log=log_level in ("debug", "info"))
-    server = _Server(config, app.state.kvfuse)
+    server = _Server(config, app.state.kvfuse, shutdown_timeout)
     where = f"[{host}]" if family == socket.AF_INET6 else host
     print(f"kvfuse: serving {app.state.kvfuse.model_name} on http://{where}:{bound}", flush=True)
     try:
