@@ -1,4 +1,4 @@
-"""The `kvfuse` command line: demo, precompute, ask, eval.
+"""The `kvfuse` command line: demo, precompute, ask, serve, eval.
 
 Bad input ends with one clear line on stderr and exit status 2, never a traceback.
 """
@@ -264,6 +264,36 @@ def cmd_ask(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    try:
+        from kvfuse.server import create_app, serve
+    except ImportError as e:
+        raise CliError(f"kvfuse serve needs the serve extra (pip install 'kvfuse[serve]'): {e}") from None
+    from kvfuse.engine.validate import check_int, check_real
+
+    check_int(args.port, "--port", minimum=0, maximum=65535)
+    check_int(args.max_pending, "--max-pending", minimum=1)
+    check_int(args.max_tokens, "--max-tokens", minimum=1)
+    check_real(args.shutdown_timeout, "--shutdown-timeout", low=0.0)
+    api_key = args.api_key if args.api_key is not None else os.environ.get("KVFUSE_API_KEY") or None
+    docs = _load_docs(args.documents) if args.documents else []
+    _check_model_args(args)
+    print(f"kvfuse: loading {args.model} ...", file=sys.stderr, flush=True)
+    engine = _engine(args)
+    if docs:
+        rep = engine.precompute(docs)
+        print(f"kvfuse: {len(docs)} documents: {rep.misses} computed, {rep.hits} already cached", file=sys.stderr,
+              flush=True)
+    app = create_app(engine, model_name=args.served_model_name, api_key=api_key, max_pending=args.max_pending,
+                     default_max_tokens=args.max_tokens, owns_engine=True)
+    if docs:  # requests may name them by id
+        from kvfuse.engine.types import as_documents
+
+        app.state.kvfuse.documents.update((d.id, d) for d in as_documents(docs))
+    serve(app, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout, log_level=args.log_level)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvfuse", description="Fast RAG answers from fused per-document KV caches.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -288,6 +318,25 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     _add_gen_args(p)
     p.set_defaults(func=cmd_ask)
+
+    p = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API (needs the serve extra)")
+    _add_model_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one, printed)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on /v1/* "
+                                                   "(default: $KVFUSE_API_KEY, else no key)")
+    p.add_argument("--served-model-name", default=None, help="the model name clients send (default: the model's)")
+    p.add_argument("--documents", default=None, help="JSON/JSONL documents to precompute and register at start")
+    p.add_argument("--max-pending", type=int, default=64,
+                   help="generation requests in flight at most; more are answered 429 (default 64)")
+    p.add_argument("--max-tokens", type=int, default=256,
+                   help="answer length of requests that give no max_tokens (default 256)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish after SIGTERM before they are cancelled "
+                        "(default 30)")
+    p.add_argument("--no-disk-cache", action="store_true", help="keep document caches in memory only")
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=cmd_serve)
 
     try:
         from kvfuse.evaluation.cli import add_eval_parser, run_eval
