@@ -36,7 +36,8 @@ def main() -> int:
     q, docs = request(engine, args.context, 512, 64, model.config.vocab_size, seed=1)
     engine.precompute(docs)
     for name in args.strategies.split(","):
-        call = lambda: engine.generate(q, docs, strategy=name, recompute_ratio=args.ratio, max_new_tokens=1)  # noqa
+        call = lambda: engine.generate(question_ids=q, docs=docs, strategy=name, recompute_ratio=args.ratio,  # noqa
+                                       max_new_tokens=1)
         for _ in range(3):
             call()
         torch.cuda.synchronize()

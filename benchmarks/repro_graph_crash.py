@@ -24,7 +24,7 @@ def main() -> None:
     eng.precompute(docs[:2])  # the third document is a miss on the first call
     for strat in ("reuse", "cacheblend", "infoflow", "full"):
         for i in range(3):
-            r = eng.generate(q, docs, strategy=strat, max_new_tokens=8)
+            r = eng.generate(question_ids=q, docs=docs, strategy=strat, max_new_tokens=8)
             torch.cuda.synchronize()
             print(strat, i, "misses", r.cache_misses, "ttft", f"{r.ttft_s * 1e3:.1f} ms", flush=True)
 

@@ -42,7 +42,8 @@ SHAPES = {
 
 
 class _IdsTokenizer:
-    """Just enough tokenizer for the engine's constructor; the benchmark hands token ids in directly."""
+    """Just enough tokenizer for the engine's constructor (the prompt prefix) and for decoding; requests are given
+    as token ids (`question_ids=`, `Document(id, token_ids=...)`), so nothing else is tokenized."""
 
     chat_template = None
     eos_token_id = None
@@ -86,22 +87,16 @@ def make_engine(model, tier: str, pool_tokens: int, scratch: int, cuda_graphs: b
 
 
 def request(engine, n_ctx: int, doc_tokens: int, q_tokens: int, vocab: int, seed: int):
-    """Registers random documents and a question as token ids; returns (question, docs)."""
+    """Random documents and a question as token ids; returns (question_ids, docs), for
+    `engine.generate(question_ids=..., docs=...)` and `engine.precompute(docs)`."""
+    from kvfuse import Document
+
     g = torch.Generator().manual_seed(seed)
     n_docs = max(1, (n_ctx - q_tokens - len(engine.prompts.prefix_ids)) // doc_tokens)
-    docs, ids = [], {}
-    for i in range(n_docs):
-        did = f"s{seed}-d{i}"
-        ids[did] = torch.randint(100, vocab - 100, (doc_tokens,), generator=g).tolist()
-        docs.append((did, did))
-    question = f"s{seed}-q"
-    ids[question] = torch.randint(100, vocab - 100, (q_tokens,), generator=g).tolist()
-    table = getattr(engine, "_bench_ids", {})
-    table.update(ids)
-    engine._bench_ids = table
-    engine.prompts.encode_document = lambda d: table[d.id]
-    engine.prompts.encode_tail = lambda q: table[q]
-    return question, docs
+    docs = [Document(f"s{seed}-d{i}", token_ids=torch.randint(100, vocab - 100, (doc_tokens,), generator=g).tolist())
+            for i in range(n_docs)]
+    question_ids = torch.randint(100, vocab - 100, (q_tokens,), generator=g).tolist()
+    return question_ids, docs
 
 
 def time_call(fn, reps: int, warmup: int) -> float:
@@ -226,7 +221,8 @@ def main() -> int:
 
                     def call(name=name, ratio=ratio):
                         sync()
-                        r = engine.generate(q, docs, strategy=name, recompute_ratio=ratio, max_new_tokens=1)
+                        r = engine.generate(question_ids=q, docs=docs, strategy=name, recompute_ratio=ratio,
+                                            max_new_tokens=1)
                         call.last = r
                         return r.ttft_s
 

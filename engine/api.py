@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -12,10 +13,11 @@ import torch
 from .config import EngineConfig, resolve_device, resolve_dtype
 from .corpus import default_cache_variants
 from .diagnose import ContextKV
-from .fusion import DEFAULT_STRATEGY, make_strategy
+from .fusion import make_strategy
 from .fusion.base import Strategy
 from .fusion.reuse import Reuse
 from .models import build_decoder
+from .options import GenerationOptions
 from .profile import default_doc_profilers, load_profile, reorder_documents
 from .prompt import PromptBuilder, PromptLayout
 from .decode import Arena, Decoding
@@ -28,8 +30,7 @@ from .store import CorruptEntry, DocKV, DocStore, Namespace, content_key, finger
 from .store.pool import KVPool
 from .types import (AsyncGenerationStream, Document, EngineOverloaded, GenerationResult, GenerationStream,
                     PrecomputeReport, as_documents)
-from .validate import (check_bool, check_int, check_real, check_stop, check_strategy, check_text,
-                       check_token_ids)
+from .validate import check_int, check_real, check_strategy, check_text, check_token_ids
 
 __all__ = ["FusionEngine", "DEFAULT_MODEL"]
 
@@ -117,13 +118,14 @@ class FusionEngine:
                    show_progress: bool = False) -> PrecomputeReport:
         """Computes and stores the caches of documents not stored yet; with `strategy`, also the offline data that
         strategy reads (its `needs_extras`, e.g. qcfuse's anchors, or its `cache_variant`, e.g. fusionrag's).
+        Documents may be given as text or as token ids (`Document(id, token_ids=...)`).
 
         Raises:
             ValueError: a document too long for any prompt (prefix + document + the shortest question + one answer
                 token over the context window), naming it; checked for every document before any is computed.
         """
-        docs = as_documents(docs)
         strat = None if strategy is None else make_strategy(strategy)
+        docs = self._documents(docs, strat)
         with self.scheduler.exclusive(), span("kvfuse.precompute", documents=len(docs)) as sp:
             t0 = time.perf_counter()
             doc_ids = self._encode_documents(docs)
@@ -142,30 +144,40 @@ class FusionEngine:
         return PrecomputeReport(hits=after.hits - before.hits, misses=after.misses - before.misses,
                                 tokens=tokens, seconds=time.perf_counter() - t0)
 
-    def generate(self, question: str, docs: Iterable[Any] = (), *, strategy: str | Strategy = DEFAULT_STRATEGY,
-                 recompute_ratio: float = 0.15, max_new_tokens: int = 64, temperature: float = 0.0,
-                 top_p: float = 1.0, seed: int | None = None, stop: list[str] | None = None,
-                 teacher_ids: list[int] | None = None, return_logprobs: bool = False,
-                 **strategy_options: Any) -> GenerationResult:
-        """Answers `question` over `docs` ((id, text) pairs). See GenerationResult for what comes back.
+    def generate(self, question: str | None = None, docs: Iterable[Any] = (),
+                 options: GenerationOptions | None = None, *, question_ids: Sequence[int] | None = None,
+                 **kwargs: Any) -> GenerationResult:
+        """Answers `question` over `docs` ((id, text) pairs, mappings or Documents, text or token ids). See
+        GenerationResult for what comes back.
 
         Args:
-            teacher_ids: also score these tokens teacher-forced from the same prefill (for fidelity/KL):
+            question: the question, as text.
+            docs: the retrieved documents, in prompt order.
+            options: GenerationOptions (strategy, recompute_ratio, max_new_tokens, sampling, stop, teacher_ids,
+                return_logprobs, strategy options); the defaults when None.
+            question_ids: instead of `question`, the prompt's tail as token ids, used as given (no tokenizer call):
+                what `engine.prompts.encode_tail(question)` gives for a text question, i.e. the question inside
+                the prompt format's question template, followed by the assistant header. With documents given as
+                `Document(id, token_ids=...)`, a request is tokenized nowhere (titles aside).
+            **kwargs: GenerationOptions fields by name (`strategy=`, `max_new_tokens=`, `teacher_ids=`, ...), which
+                override those of `options`; any other keyword is a strategy option (`gradual=True`).
+                `teacher_ids`: also score these tokens teacher-forced from the same prefill (for fidelity/KL):
                 `result.extra["teacher_logprobs"]` is [T, vocab] float32 (row t: log p(. | prompt, ids[:t])).
-            return_logprobs: `result.extra["logprobs"]` holds [max(1, generated), vocab] float32 log-probabilities
-                of the answer's positions (row t: log p(. | prompt, answer[:t])), re-scored after decoding in one
-                teacher-forced pass from the same prefill, so they equal `teacher_ids` scoring of that answer.
-        """
-        return self.stream(question, docs, strategy=strategy, recompute_ratio=recompute_ratio,
-                           max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop,
-                           teacher_ids=teacher_ids, return_logprobs=return_logprobs, **strategy_options).wait()
+                `return_logprobs`: `result.extra["logprobs"]` holds [max(1, generated), vocab] float32
+                log-probabilities of the answer's positions (row t: log p(. | prompt, answer[:t])), re-scored after
+                decoding in one teacher-forced pass from the same prefill, so they equal `teacher_ids` scoring of
+                that answer.
 
-    def stream(self, question: str, docs: Iterable[Any] = (), *, strategy: str | Strategy = DEFAULT_STRATEGY,
-               recompute_ratio: float = 0.15, max_new_tokens: int = 64, temperature: float = 0.0,
-               top_p: float = 1.0, seed: int | None = None, stop: list[str] | None = None,
-               teacher_ids: list[int] | None = None, return_logprobs: bool = False,
-               **strategy_options: Any) -> GenerationStream:
-        """Like `generate`, yielding text deltas; the GenerationResult is `.result` once exhausted.
+        Raises:
+            ValueError: a bad argument (an option, a document, token ids outside the vocabulary, a prompt over the
+                context window), before any work.
+        """
+        return self.stream(question, docs, options, question_ids=question_ids, **kwargs).wait()
+
+    def stream(self, question: str | None = None, docs: Iterable[Any] = (),
+               options: GenerationOptions | None = None, *, question_ids: Sequence[int] | None = None,
+               **kwargs: Any) -> GenerationStream:
+        """Like `generate` (same arguments), yielding text deltas; the GenerationResult is `.result` once exhausted.
 
         Arguments are validated here, before the first delta is asked for. The first `next()` submits the request
         to the scheduler, which decodes it together with the other running requests and queues its deltas for the
@@ -174,14 +186,13 @@ class FusionEngine:
         prompt over the context window and EngineOverloaded (the queue is full), are raised by `next()`. See
         GenerationStream.
         """
-        return GenerationStream(self._request(question, docs, None, strategy, strategy_options, recompute_ratio,
-                                              max_new_tokens, temperature, top_p, seed, stop, teacher_ids,
-                                              return_logprobs), self.scheduler.submit)
+        opts = self._options(options, kwargs)
+        docs = self._documents(docs, opts[0])
+        question = self._question(question, question_ids)
+        return GenerationStream(Request(self, question, docs, None, *opts), self.scheduler.submit)
 
-    def chat(self, messages: Iterable[Any], documents: Iterable[Any] = (), *,
-             strategy: str | Strategy = DEFAULT_STRATEGY, recompute_ratio: float = 0.15, max_new_tokens: int = 64,
-             temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None, stop: list[str] | None = None,
-             return_logprobs: bool = False, **strategy_options: Any) -> GenerationResult:
+    def chat(self, messages: Iterable[Any], documents: Iterable[Any] = (),
+             options: GenerationOptions | None = None, **kwargs: Any) -> GenerationResult:
         """Answers a chat (system / user / assistant turns, through the model's chat template), fusing every
         registered document found inside it.
 
@@ -195,22 +206,23 @@ class FusionEngine:
         Args:
             messages: `{"role": "system" | "user" | "assistant", "content": str}` in order, the last one a user
                 turn (or a string: one user turn).
-            documents: documents to look for besides the registered ones (also registered from now on).
-            Other arguments: as `generate`.
+            documents: documents to look for besides the registered ones (also registered from now on); as text
+                (they are found by content).
+            options, **kwargs: as `generate`, except `teacher_ids` (not supported for a chat).
         """
-        return self.stream_chat(messages, documents, strategy=strategy, recompute_ratio=recompute_ratio,
-                                max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                                stop=stop, return_logprobs=return_logprobs, **strategy_options).wait()
+        return self.stream_chat(messages, documents, options, **kwargs).wait()
 
-    def stream_chat(self, messages: Iterable[Any], documents: Iterable[Any] = (), *,
-                    strategy: str | Strategy = DEFAULT_STRATEGY, recompute_ratio: float = 0.15,
-                    max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
-                    stop: list[str] | None = None, return_logprobs: bool = False,
-                    **strategy_options: Any) -> GenerationStream:
+    def stream_chat(self, messages: Iterable[Any], documents: Iterable[Any] = (),
+                    options: GenerationOptions | None = None, **kwargs: Any) -> GenerationStream:
         """`chat` as a stream of text deltas (see `stream`)."""
-        return GenerationStream(self._request("", documents, messages, strategy, strategy_options, recompute_ratio,
-                                              max_new_tokens, temperature, top_p, seed, stop, None, return_logprobs),
-                                self.scheduler.submit)
+        opts = self._options(options, kwargs, chat=True)
+        msgs = _check_messages(messages)
+        docs = as_documents(documents)
+        by_ids = next((d.id for d in docs if d.token_ids is not None), None)
+        if by_ids is not None:
+            raise ValueError(f"chat documents are found inside the messages by their text; document {by_ids!r} is "
+                             f"given as token ids")
+        return GenerationStream(Request(self, "", docs, msgs, *opts), self.scheduler.submit)
 
     # -- asyncio fronts (what servers and the framework adapters' async paths use) ---------------------------
     async def agenerate(self, *args: Any, **kwargs: Any) -> GenerationResult:
@@ -261,31 +273,50 @@ class FusionEngine:
             self.store.disk.put_registration(doc.id, *fp)
         return True
 
-    def _request(self, question, docs, messages, strategy, strategy_options, recompute_ratio, max_new_tokens,
-                 temperature, top_p, seed, stop, teacher_ids, return_logprobs) -> Request:
-        """Validates a request (nothing computed yet) and returns it, ready for the scheduler."""
-        opts = self._options(strategy, strategy_options, recompute_ratio, max_new_tokens, temperature, top_p, seed,
-                             stop, teacher_ids, return_logprobs)
-        docs = as_documents(docs)
-        if messages is None:
-            check_text(question, "the question")
+    def _options(self, options: GenerationOptions | None, kwargs: dict[str, Any], *, chat: bool = False) -> tuple:
+        """A request's options (`options` overridden by the keywords), checked against this engine; returns
+        (strategy, ratio, max_new, sampler, stop, teacher, return_logprobs) (see Request)."""
+        if options is None:
+            options = GenerationOptions.from_kwargs(**kwargs)
+        elif isinstance(options, GenerationOptions):
+            options = options._with_kwargs(kwargs)
         else:
-            messages = _check_messages(messages)
-        return Request(self, question, docs, messages, *opts)
-
-    def _options(self, strategy, strategy_options, recompute_ratio, max_new_tokens, temperature, top_p, seed, stop,
-                 teacher_ids, return_logprobs) -> tuple:
-        """Validates a request's options; returns (strategy, ratio, max_new, sampler, stop, teacher, return_logprobs)."""
-        strat = check_strategy(strategy, strategy_options)
-        recompute_ratio = check_real(recompute_ratio, "recompute_ratio", low=0.0, high=1.0)
+            raise ValueError(f"options must be a GenerationOptions, got {type(options).__name__}")
+        if chat and options.teacher_ids is not None:
+            raise ValueError("teacher_ids is not supported for a chat (score with generate or next_token_logprobs)")
+        strat = options.make_strategy()  # a fresh instance per request (a name), or the one given
         room = self.context_window - len(self.prompts.prefix_ids) - 1  # beside the prefix and >= 1 question token
-        max_new_tokens = check_int(max_new_tokens, "max_new_tokens", minimum=1, maximum=room)
-        sampler = Sampler(temperature, top_p, seed)
-        stop = check_stop(stop)
-        check_bool(return_logprobs, "return_logprobs")
-        teacher = None if teacher_ids is None else torch.as_tensor(check_token_ids(
-            teacher_ids, "teacher_ids", self.decoder.spec.vocab, max_len=room), dtype=torch.long)
-        return strat, recompute_ratio, max_new_tokens, sampler, stop, teacher, return_logprobs
+        max_new_tokens = check_int(options.max_new_tokens, "max_new_tokens", minimum=1, maximum=room)
+        sampler = Sampler(options.temperature, options.top_p, options.seed)
+        teacher = None if options.teacher_ids is None else torch.as_tensor(check_token_ids(
+            options.teacher_ids, "teacher_ids", self.decoder.spec.vocab, max_len=room), dtype=torch.long)
+        return (strat, options.recompute_ratio, max_new_tokens, sampler, list(options.stop), teacher,
+                options.return_logprobs)
+
+    def _question(self, question: Any, question_ids: Any) -> str | list[int]:
+        """The request's question: its text, or the prompt tail's token ids (checked against the vocabulary)."""
+        if question_ids is None:
+            if question is None:
+                raise ValueError("give a question (text) or question_ids (token ids)")
+            return check_text(question, "the question")
+        if question is not None:
+            raise ValueError("give the question as text or as question_ids, not both")
+        return check_token_ids(question_ids, "question_ids", self.decoder.spec.vocab, allow_empty=False)
+
+    def _documents(self, docs: Iterable[Any], strat: Strategy | None = None) -> list[Document]:
+        """`as_documents`, and the token ids of documents given as ids checked against the vocabulary (and against
+        a strategy whose cache variant reads documents' text)."""
+        docs = as_documents(docs)
+        vocab = self.decoder.spec.vocab
+        for d in docs:
+            if d.token_ids is None:
+                continue
+            if max(d.token_ids) >= vocab:
+                check_token_ids(d.token_ids, f"document {d.id!r}: token_ids", vocab)  # raises, naming the index
+            if getattr(strat, "cache_variant", None):
+                raise ValueError(f"strategy {strat.name!r} finds each document's neighbours by its text; document "
+                                 f"{d.id!r} is given as token ids")
+        return docs
 
     def next_token_logprobs(self, question: str, docs: Iterable[Any], target_ids, *,
                             strategy: str | Strategy = "full", recompute_ratio: float = 0.15) -> torch.Tensor:
@@ -299,7 +330,7 @@ class FusionEngine:
         room = self.context_window - len(self.prompts.prefix_ids) - 1  # beside the prefix and >= 1 question token
         target = torch.as_tensor(check_token_ids(target_ids, "target_ids", self.decoder.spec.vocab, allow_empty=False,
                                                  max_len=room), dtype=torch.long)
-        docs = as_documents(docs)
+        docs = self._documents(docs, strat)
         check_text(question, "the question")
         t = int(target.numel())
         with self.scheduler.exclusive(), self.store.hold(), _on_device(self.device):
@@ -330,7 +361,7 @@ class FusionEngine:
         Raises:
             ValueError: no documents, or the prompt does not fit the context window.
         """
-        docs = [Document(d.id, d.text) for d in as_documents(docs)]  # bodies only: the rows compared are theirs
+        docs = [dataclasses.replace(d, title="") for d in self._documents(docs)]  # bodies only: the rows compared
         if not docs:
             raise ValueError("context_kv needs at least one document")
         full, reuse = make_strategy("full"), Reuse()
@@ -351,9 +382,11 @@ class FusionEngine:
         disk_degraded (1 while the disk tier is paused after a failure), id_index_bytes."""
         return dict(vars(self.store.snapshot()))
 
-    def layout(self, question: str, docs: Iterable[Any]) -> PromptLayout:
-        """The token layout a request would use (no computation)."""
-        docs = as_documents(docs)
+    def layout(self, question: str | None = None, docs: Iterable[Any] = (), *,
+               question_ids: Sequence[int] | None = None) -> PromptLayout:
+        """The token layout a request would use (no computation); arguments as `generate`."""
+        docs = self._documents(docs)
+        question = self._question(question, question_ids)
         return self.prompts.build(question, [self.prompts.encode_document(d) for d in docs],
                                   [self.prompts.encode_title(d) for d in docs])
 
@@ -505,10 +538,12 @@ class FusionEngine:
             out.append((ids, kv))
         return out, tokens
 
-    def _prepare(self, question: str, docs: list[Document], strat: Strategy, doc_ids: list[list[int]] | None = None,
-                 reserve: int = 0):
+    def _prepare(self, question: str | list[int], docs: list[Document], strat: Strategy,
+                 doc_ids: list[list[int]] | None = None, reserve: int = 0):
         """Lays out the prompt, checks that it and `reserve` answer tokens fit the context window (before any
         lookup or model work), looks up (computing misses) and returns (layout, segments, seconds spent on misses).
+
+        `question`: its text, or the prompt tail's token ids (`PromptBuilder.build`).
 
         `doc_ids`: the documents' token ids when already encoded (`_encode_documents`); tokenized here otherwise.
         """

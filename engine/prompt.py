@@ -173,7 +173,10 @@ class PromptBuilder:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def encode_document(self, doc: Document) -> list[int]:
-        """Token ids of one document as it appears in every prompt (independent of its position)."""
+        """Token ids of one document as it appears in every prompt (independent of its position): its body and
+        the format's `doc_suffix`, or its `token_ids` as given (no tokenizer call)."""
+        if doc.token_ids is not None:
+            return list(doc.token_ids)
         return self._encode(doc.text + self.fmt.doc_suffix)
 
     def encode_tail(self, question: str) -> list[int]:
@@ -204,21 +207,31 @@ class PromptBuilder:
         """Token ids of a document's title line (computed before its body, never cached); [] without a title."""
         return self._encode(f"{doc.title}\n") if doc.title else []
 
-    def build(self, question: str, doc_ids: list[list[int]], title_ids: list[list[int]] | None = None
+    def build(self, question: str | list[int], doc_ids: list[list[int]], title_ids: list[list[int]] | None = None
               ) -> PromptLayout:
         """Lays out prefix, documents (already tokenized) and question.
 
         Args:
-            question: the user's question.
+            question: the user's question as text (tokenized with `encode_tail`), or the tail's token ids as
+                given (what `encode_tail` gives for a text question: the question template and the assistant
+                header included).
             doc_ids: token ids of each document, from `encode_document`.
             title_ids: token ids of each document's title line (`encode_title`), placed before it as glue.
         """
-        if not isinstance(question, str) or not question.strip():
-            raise ValueError("the question is empty")
+        if isinstance(question, str):
+            if not question.strip():
+                raise ValueError("the question is empty")
+            tail = self.encode_tail(question)
+        elif isinstance(question, (list, tuple)):
+            tail = list(question)
+            if not tail:
+                raise ValueError("question_ids is empty")
+        else:
+            raise ValueError(f"the question must be a string or a list of token ids, got {type(question).__name__}")
         pieces: list[tuple[str, list[int]]] = [("text", list(self.prefix_ids))]
         for i, ids in enumerate(doc_ids):
             if title_ids and title_ids[i]:
                 pieces.append(("text", list(title_ids[i])))
             pieces.append(("doc", list(ids)))
-        pieces.append(("text", self.encode_tail(question)))
+        pieces.append(("text", tail))
         return PromptLayout.from_pieces(pieces, prefix_cached=True)

@@ -11,27 +11,34 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
-from .validate import check_doc_id, lone_surrogate
+from .validate import check_doc_id, check_token_ids, lone_surrogate
 
 __all__ = ["Document", "GenerationResult", "PrecomputeReport", "GenerationStream", "as_documents"]
 
 
 @dataclass(frozen=True)
 class Document:
-    """One retrieved document.
+    """One retrieved document, given as text or as token ids.
 
     Args:
         id: the caller's handle (a node id, a passage id). Used to find the cache quickly; the content
             is always verified, so a changed text under the same id is recomputed, never served stale.
         text: the document's body exactly as it should appear in the prompt. The body is what is cached, so the
             same passage hits the same cache from every entry point (a CLI record, a LangChain document, a
-            LlamaIndex node).
+            LlamaIndex node). Empty when the document is given as `token_ids`.
         title: optional; shown on its own line before the body and always computed (never part of the cache).
+        token_ids: the document as token ids instead of text: exactly the tokens it occupies in the prompt,
+            nothing added (a text document's are `engine.prompts.encode_document(doc)`, the prompt format's
+            `doc_suffix` included). They are its cache key, as a text document's tokens are (the same tokens hit
+            the same cache), and no tokenizer is called for it. Any sequence of ints >= 0 or a 1-D integer tensor;
+            stored as a tuple (checked against the model's vocabulary by the engine). Such a document can't be
+            found inside chat messages (that search is by text).
     """
 
     id: str
-    text: str
+    text: str = ""
     title: str = ""
+    token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.id, str) or not self.id:
@@ -40,7 +47,12 @@ class Document:
             raise ValueError(f"document id {self.id!r} contains a lone surrogate (not valid Unicode text)")
         if not isinstance(self.text, str):
             raise ValueError(f"document {self.id!r}: text must be a string, got {type(self.text).__name__}")
-        if not self.text.strip():
+        if self.token_ids is not None:
+            if self.text:
+                raise ValueError(f"document {self.id!r}: give its text or its token_ids, not both")
+            ids = check_token_ids(self.token_ids, f"document {self.id!r}: token_ids", None, allow_empty=False)
+            object.__setattr__(self, "token_ids", tuple(ids))
+        elif not self.text.strip():
             raise ValueError(f"document {self.id!r}: text is empty")
         at = lone_surrogate(self.text)
         if at is not None:
@@ -53,7 +65,7 @@ class Document:
 
 
 def as_documents(docs: Iterable[Any]) -> list[Document]:
-    """Normalises `(id, text)` pairs, mappings with `id`/`text` (and optional `title`), or Documents.
+    """Normalises `(id, text)` pairs, mappings with `id`/`text` (or `token_ids`; optional `title`), or Documents.
 
     Raises:
         ValueError: on anything else, naming the offending position.
@@ -69,15 +81,16 @@ def as_documents(docs: Iterable[Any]) -> list[Document]:
         if isinstance(d, Document):
             out.append(d)
         elif isinstance(d, Mapping):
-            if "text" not in d:
+            ids = d.get("token_ids")
+            if "text" not in d and ids is None:
                 raise ValueError(f"docs[{i}]: mapping has no 'text' key")
-            text, title = d["text"], d.get("title")
+            text, title = d.get("text", ""), d.get("title")
             if not isinstance(text, str):
                 raise ValueError(f"docs[{i}]: 'text' must be a string, got {type(text).__name__}")
             if title is not None and not isinstance(title, str):
                 raise ValueError(f"docs[{i}]: 'title' must be a string, got {type(title).__name__}")
             did = next((d[k] for k in ("id", "doc_id") if d.get(k) not in (None, "")), f"doc-{i}")
-            out.append(Document(check_doc_id(did, f"docs[{i}] id"), text, (title or "").strip()))
+            out.append(Document(check_doc_id(did, f"docs[{i}] id"), text, (title or "").strip(), ids))
         elif isinstance(d, (tuple, list)) and len(d) == 2:
             out.append(Document(check_doc_id(d[0], f"docs[{i}] id"), d[1]))
         else:

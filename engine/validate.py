@@ -96,10 +96,10 @@ def check_stop(stop: Any) -> list[str]:
     return out
 
 
-def check_token_ids(ids: Any, what: str, vocab: int, *, allow_empty: bool = True,
+def check_token_ids(ids: Any, what: str, vocab: int | None, *, allow_empty: bool = True,
                     max_len: int | None = None) -> list[int]:
-    """A sequence of token ids (list, tuple, range, 1-D integer tensor or array), each an int in [0, vocab), at most
-    `max_len` of them."""
+    """A sequence of token ids (list, tuple, range, 1-D integer tensor or array), each an int in [0, vocab) (any
+    int >= 0 when `vocab` is None: the vocabulary is checked later), at most `max_len` of them."""
     if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__") or isinstance(ids, (dict, set, frozenset)):
         raise ValueError(f"{what} must be a list of token ids, got {type(ids).__name__}")
     if hasattr(ids, "dtype") and hasattr(ids, "tolist"):  # torch tensor / numpy array
@@ -110,8 +110,9 @@ def check_token_ids(ids: Any, what: str, vocab: int, *, allow_empty: bool = True
         ids = ids.tolist()
     out = []
     for i, t in enumerate(ids):
-        if not _is_int(t) or not 0 <= int(t) < vocab:
-            raise ValueError(f"{what}[{i}] must be a token id, an int in [0, {vocab}), got {type(t).__name__} {t!r}")
+        if not _is_int(t) or int(t) < 0 or (vocab is not None and int(t) >= vocab):
+            kind = "a non-negative int" if vocab is None else f"an int in [0, {vocab})"
+            raise ValueError(f"{what}[{i}] must be a token id, {kind}, got {type(t).__name__} {t!r}")
         out.append(int(t))
     if not out and not allow_empty:
         raise ValueError(f"{what} is empty")

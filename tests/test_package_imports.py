@@ -1,0 +1,38 @@
+"""`from kvfuse import FusionEngine, ...`: the public names, imported lazily so `import kvfuse` stays cheap."""
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+
+import pytest
+
+import kvfuse
+
+NAMES = {"FusionEngine": "kvfuse.engine.api", "EngineConfig": "kvfuse.engine.config",
+         "GenerationOptions": "kvfuse.engine.options", "Document": "kvfuse.engine.types",
+         "GenerationResult": "kvfuse.engine.types", "GenerationStream": "kvfuse.engine.types",
+         "PrecomputeReport": "kvfuse.engine.types", "PromptFormat": "kvfuse.engine.prompt"}
+
+
+def test_top_level_names_are_the_engine_objects():
+    from kvfuse import Document, EngineConfig, FusionEngine, GenerationOptions, GenerationResult  # noqa: F401
+
+    for name, module in NAMES.items():
+        assert getattr(kvfuse, name) is getattr(sys.modules[module], name), name
+    assert set(NAMES) <= set(kvfuse.__all__) and set(NAMES) <= set(dir(kvfuse))
+    with pytest.raises(AttributeError, match="has no attribute 'NoSuchThing'"):
+        kvfuse.NoSuchThing  # noqa: B018
+    with pytest.raises(ImportError):
+        from kvfuse import NoSuchThing  # noqa: F401
+
+
+def test_import_kvfuse_is_cheap_and_keeps_its_null_handler():
+    code = ("import sys, logging, kvfuse\n"
+            "heavy = sorted(m for m in ('torch', 'transformers', 'kvfuse.engine.api') if m in sys.modules)\n"
+            "assert not heavy, heavy\n"
+            "assert any(isinstance(h, logging.NullHandler) for h in logging.getLogger('kvfuse').handlers)\n"
+            "from kvfuse import FusionEngine, EngineConfig, GenerationOptions, Document, GenerationResult\n"
+            "assert FusionEngine.__module__ == 'kvfuse.engine.api'\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+    assert any(isinstance(h, logging.NullHandler) for h in logging.getLogger("kvfuse").handlers)
