@@ -55,7 +55,10 @@ class Workload:
     def _rand(self, n: int) -> list[int]:
         return torch.randint(100, self.vocab - 100, (n,), generator=self.g).tolist()
 
-    def next(self) -> tuple[str, list[tuple[str, str]]]:
+    def next(self) -> tuple[list[int], list]:
+        """(question_ids, documents as token ids) of the next request."""
+        from kvfuse import Document
+
         k = self.rng.randint(self.lo, self.hi)
         chosen: list[str] = []
         while len(chosen) < k:  # Zipf draws without repeats
@@ -63,15 +66,12 @@ class Workload:
             if d not in chosen:
                 chosen.append(d)
         self.count += 1
-        qid = f"q{self.count}"
-        self.ids[qid] = self._rand(self.q_tokens)
-        return qid, [(d, d) for d in chosen]
+        return self._rand(self.q_tokens), [Document(d, token_ids=self.ids[d]) for d in chosen]
 
-    def attach(self, engine) -> None:
-        """Feeds the engine token ids by document/question name."""
-        ids = self.ids
-        engine.prompts.encode_document = lambda d: ids[d.id]
-        engine.prompts.encode_tail = lambda q: ids[q]
+    def corpus(self) -> list:
+        from kvfuse import Document
+
+        return [Document(d, token_ids=self.ids[d]) for d in self.doc_ids]
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -82,9 +82,9 @@ def pct(xs: list[float], q: float) -> float:
 
 
 async def _one(engine, work: Workload, args, log: list) -> None:
-    qid, docs = work.next()
+    question_ids, docs = work.next()
     t0 = time.perf_counter()
-    st = engine.astream(qid, docs, strategy=args.strategy, recompute_ratio=args.ratio,
+    st = engine.astream(docs=docs, question_ids=question_ids, strategy=args.strategy, recompute_ratio=args.ratio,
                         max_new_tokens=args.output_tokens)
     stamps = []
     async for _ in st:
@@ -170,8 +170,8 @@ def hf_closed_loop(model, work, args, n_clients: int, duration: float, prefix: l
     while time.perf_counter() - t_start < duration:
         prompts = []
         for _ in range(n_clients):
-            qid, docs = work.next()
-            prompts.append(prefix + [t for d, _ in docs for t in work.ids[d]] + work.ids[qid])
+            question_ids, docs = work.next()
+            prompts.append(prefix + [t for d in docs for t in d.token_ids] + question_ids)
         width = max(map(len, prompts))
         ids = torch.zeros((n_clients, width), dtype=torch.long)
         mask = torch.zeros((n_clients, width), dtype=torch.long)
@@ -302,14 +302,13 @@ def main() -> int:
 
     rows = []
     work = workload(args.corpus, 1)
-    prefix = list(range(11, 11 + 32))  # the engine's prompt prefix has about this many tokens
+    prefix = list(range(11, 11 + 32))  # about the engine's prompt prefix
     for n in [int(x) for x in args.hf_clients.split(",") if x]:  # first: it needs the most transient memory
         rows.append(hf_closed_loop(model, work, args, n, args.duration, prefix))
         torch.cuda.empty_cache()
     batched = engine(256)
-    work.attach(batched)
     t0 = time.perf_counter()
-    batched.precompute([(d, d) for d in work.doc_ids])
+    batched.precompute(work.corpus())
     print(json.dumps({"precompute_s": round(time.perf_counter() - t0, 1), "documents": args.corpus}), flush=True)
     run_engine(batched, work, args, "warm-up", "closed", 8, 5.0)  # Triton compiles, graph captures
     sat = 0.0
@@ -337,8 +336,7 @@ def main() -> int:
     free(batched)
     del batched
     serial = engine(1)
-    work.attach(serial)
-    serial.precompute([(d, d) for d in work.doc_ids])
+    serial.precompute(work.corpus())
     for n in [int(x) for x in args.serial_clients.split(",") if x]:
         rows.append(run_engine(serial, work, args, f"kvfuse one-at-a-time N={n}", "closed", n, args.duration))
     free(serial)
@@ -346,8 +344,7 @@ def main() -> int:
     if args.large_corpus:
         big = workload(args.corpus * args.large_corpus, 2)
         host = engine(256, tier="host", pool_gib=args.pool_gib)
-        big.attach(host)
-        host.precompute([(d, d) for d in big.doc_ids])
+        host.precompute(big.corpus())
         rows.append(run_engine(host, big, args, f"kvfuse batched, {args.large_corpus}x corpus, host tier N=32",
                                "closed", 32, args.duration))
         free(host)
