@@ -55,6 +55,7 @@ class FusionEngine:
                  model_fingerprint: str | None = None, tokenizer_fingerprint: str | None = None) -> None:
         self.config = config or EngineConfig()
         self.decoder = build_decoder(hf_model)
+        _check_on_device(hf_model, self.decoder.device)
         self.hf_model = hf_model
         self.tokenizer = tokenizer
         self.model_name = model_name or getattr(hf_model.config, "_name_or_path", "") or self.decoder.spec.family
@@ -691,6 +692,15 @@ def _name_documents(docs: list[tuple[str, int]]) -> str:
     if len(docs) == 1:
         return f"document {docs[0][0]!r} ({docs[0][1]} tokens) is"
     return "documents " + ", ".join(f"{i!r} ({n} tokens)" for i, n in docs) + " are each"
+
+
+def _check_on_device(hf_model, device: torch.device) -> None:
+    """Raises ValueError naming the first parameter or buffer not on the model's compute device (a kernel would
+    otherwise read host memory, or another GPU's, through a device pointer)."""
+    for name, t in list(hf_model.named_parameters()) + list(hf_model.named_buffers()):
+        if t.device.type != device.type or (device.index is not None and t.device.index not in (None, device.index)):
+            raise ValueError(f"model tensor {name!r} is on {t.device}, the model computes on {device}: move the "
+                             f"whole model to one device (model.to({str(device)!r}))")
 
 
 def _eos_ids(hf_model, tokenizer) -> set[int]:

@@ -12,10 +12,12 @@ free. A cancelled request (its stream closed or dropped) leaves the batch at the
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import threading
 import time
+import weakref
 from collections import deque
 from typing import Any, Callable
 
@@ -205,6 +207,7 @@ class Scheduler:
         self._exclusive_waiters = 0
         self._thread: threading.Thread | None = None
         self._closing = False
+        _LIVE.add(self)
         self.last_batch = 0
         self.peak_batch = 0
         self.private_rows_seen: deque[int] = deque(maxlen=4096)  # per request: arena rows it owned
@@ -369,6 +372,20 @@ class Scheduler:
         with self._cond:
             self.done += n
             self._cond.notify_all()
+
+
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _halt_all() -> None:
+    """At interpreter exit: cancel what still runs and let every scheduler thread end on its own (a daemon thread
+    stopped by the interpreter inside torch code aborts the process)."""
+    for sched in list(_LIVE):
+        try:
+            sched.shutdown(timeout=0)
+        except Exception:  # noqa: BLE001  (exit must go on)
+            pass
 
 
 def _first_stop(text: str, stop: list[str]) -> int | None:

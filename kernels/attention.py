@@ -56,6 +56,9 @@ def check_inputs(q, q_pos, k, v, kv_rows, kv_pos, cos, sin):
         raise ValueError(f"kv_rows=None uses rows 0..N-1 but the pool has only {k.shape[0]} rows (N={n})")
     if (cos is None) != (sin is None):
         raise ValueError("cos and sin must both be given or both be None")
+    devices = {t.device for t in (q, q_pos, k, v, kv_rows, kv_pos, cos, sin) if t is not None}
+    if len(devices) != 1:  # a clear error here, never a wild read in a kernel
+        raise ValueError(f"attention inputs must share one device, got {sorted(map(str, devices))}")
     if cos is not None:
         if d % 2:
             raise ValueError(f"RoPE needs an even head_dim, got {d}")

@@ -77,6 +77,29 @@ def _decode_kernel(Q, QPOS, K, V, ROWS, COS, SIN, PART_ACC, PART_ML, qk_scale, s
     tl.store(ml + 1, l_i, mask=g_ok)
 
 
+@triton.jit
+def _merge_kernel(PART_ACC, PART_ML, OUT, splits, stride_ps, stride_pb, stride_ms, stride_mb, stride_ob, stride_oh,
+                  HALF: tl.constexpr, HALF_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    """out[b, h] = sum_s w_s acc_s / sum_s w_s l_s with w_s = 2^(m_s - max m): the partial softmaxes merged."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, SPLITS_PAD)
+    ok = s < splits
+    ml = PART_ML + s * stride_ms + b * stride_mb + h * 2
+    m = tl.load(ml, mask=ok, other=float("-inf"))
+    l = tl.load(ml + 1, mask=ok, other=0.0)
+    w = tl.exp2(m - tl.max(m, 0))
+    w = tl.where(ok, w, 0.0)
+    denom = tl.sum(w * l, 0)
+    offs = tl.arange(0, HALF_PAD)
+    acc = PART_ACC + s[:, None] * stride_ps + b * stride_pb + h * (2 * HALF_PAD) + offs[None, :]
+    a1 = tl.sum(tl.load(acc, mask=ok[:, None], other=0.0) * w[:, None], 0) / denom
+    a2 = tl.sum(tl.load(acc + HALF_PAD, mask=ok[:, None], other=0.0) * w[:, None], 0) / denom
+    out = OUT + b * stride_ob + h * stride_oh + offs
+    tl.store(out, a1.to(OUT.dtype.element_ty), mask=offs < HALF)
+    tl.store(out + HALF, a2.to(OUT.dtype.element_ty), mask=offs < HALF)
+
+
 def plan(b: int, hkv: int, c: int, block_n: int | None = None, splits: int | None = None) -> tuple[int, int, int]:
     """(block_n, split_len, splits): enough programs to fill the GPU (~2 per SM of an H100/H200) for any batch."""
     bn = block_n or (64 if c >= 64 else max(16, triton.next_power_of_2(c)))
@@ -107,9 +130,9 @@ def launch(q, q_pos, k, v, row_map, cos, sin, scale, *, block_n: int | None = No
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HALF=d // 2, HALF_PAD=hp, BLOCK_N=bn,
         DOT_F32=dot_in_fp32(q.dtype), PRECISION=dot_precision(q.dtype), EMULATE_RNE=emulate_rne(),
         num_warps=num_warps)
-    m, l = part_ml[..., 0], part_ml[..., 1]                         # [S, B, Hq]
-    top = m.max(dim=0).values
-    w = torch.exp2(m - top)                                         # splits that saw no key weigh 0
-    acc = (part_acc * w[..., None]).sum(0) / (l * w).sum(0)[..., None]   # [B, Hq, 2 * HALF_PAD]
-    out = torch.cat([acc[..., :d // 2], acc[..., hp:hp + d // 2]], dim=-1)
-    return out.to(q.dtype)
+    out = torch.empty((b, hq, d), dtype=q.dtype, device=q.device)
+    _merge_kernel[(b, hq)](part_acc, part_ml, out, n_splits, part_acc.stride(0), part_acc.stride(1),
+                           part_ml.stride(0), part_ml.stride(1), out.stride(0), out.stride(1),
+                           HALF=d // 2, HALF_PAD=hp, SPLITS_PAD=max(2, triton.next_power_of_2(n_splits)),
+                           num_warps=1)
+    return out

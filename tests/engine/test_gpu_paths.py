@@ -81,3 +81,37 @@ def test_batched_decode_graphs_match_single_eager(family):
         assert [st.result.token_ids for st in streams] == [solo[i] for i in order]
     assert graphs.serving_stats()["peak_batch_size"] >= 3
     assert len(graphs.decoding.graphs.entries) >= 2  # several batch buckets captured and replayed
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_user_path_gguf_converted_then_served_with_every_strategy(tmp_path, graphs):
+    """A user's first run in one process: a GGUF converted, loaded on CUDA, every strategy cold (documents
+    computed by the request) then warm (cached), eager and graphed: no fault, and cold == warm tokens."""
+    from fixtures import tiny_gguf_path
+
+    from kvfuse.engine.fusion import available
+
+    engine = FusionEngine.from_pretrained(str(tiny_gguf_path()), device="cuda", dtype="bf16", cache_dir=tmp_path,
+                                          cuda_graphs=graphs)
+    from fixtures import word_embedder
+
+    from kvfuse.engine.corpus import Corpus
+
+    engine.corpus = Corpus(word_embedder()).add(DOCS)  # fusionrag's neighbours
+    for strategy in available():
+        engine.forget([d[0] for d in DOCS])
+        runs = [engine.generate(QUESTION, DOCS, strategy=strategy, recompute_ratio=0.3, max_new_tokens=8)
+                for _ in range(3)]  # cold, warm, warm again (a graph signature seen twice is captured)
+        torch.cuda.synchronize()
+        if strategy != "full":
+            assert runs[0].cache_misses == len(DOCS) and runs[1].cache_hits == len(DOCS), strategy
+        assert runs[0].token_ids == runs[1].token_ids == runs[2].token_ids, strategy
+
+
+def test_model_off_the_engine_device_is_refused():
+    model, tok, info = load_tiny("llama", dtype=torch.float32)
+    model = model.cuda()
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().cpu())
+    with pytest.raises(ValueError, match="lm_head"):
+        FusionEngine(model, tok, EngineConfig(), model_fingerprint=info.fingerprint,
+                     tokenizer_fingerprint=info.tokenizer_fingerprint)

@@ -204,3 +204,26 @@ def test_asyncio_requests_run_together(tiny_engine):
 
     text, res = asyncio.run(streamed())
     assert text == res.text and res.token_ids == solo[0][:len(res.token_ids)] or res.strategy
+
+
+def test_a_process_exits_cleanly_after_requests(tmp_path):
+    """The scheduler thread ends with the interpreter: no abort at exit, even with a stream left open."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parents[1]
+    script = tmp_path / "run.py"
+    script.write_text(
+        "import sys, torch\n"
+        f"sys.path.insert(0, {str(tests)!r})\n"
+        "import fixtures\n"
+        "from cases import DOCS, QUESTION\n"
+        "m, t, i = fixtures.load_tiny('llama', dtype=torch.float32)\n"
+        "e = fixtures.engine_from(m, t, i)\n"
+        "print(len(e.generate(QUESTION, DOCS, max_new_tokens=4).token_ids))\n"
+        "s = e.stream(QUESTION, DOCS, max_new_tokens=200)\n"
+        "next(s)\n")  # exits with the stream still decoding
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "terminate called" not in out.stderr
