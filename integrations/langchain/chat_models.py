@@ -9,6 +9,8 @@ call, or `.bind(documents=...)`).
 """
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 import queue
@@ -31,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 
 from kvfuse.engine.fusion import DEFAULT_STRATEGY
 from kvfuse.engine.types import Document, GenerationResult, as_documents
-from .._bridge import content_id, iterate_in_thread, result_stats
+from .._bridge import adeltas, arun, content_id, result_stats
 
 __all__ = ["ChatKVFuse", "lc_documents_to_documents", "messages_to_chat"]
 
@@ -107,6 +109,13 @@ class _Call:
     seeds: list[int | None] = field(default_factory=list)
 
 
+def _timeout_error(timeout: float, received: int) -> TimeoutError:
+    return TimeoutError(
+        f"ChatKVFuse: no complete answer within timeout={timeout:g}s ({received} text deltas received); the request "
+        "was cancelled. Time spent waiting for the engine (queued behind other requests) counts too: raise "
+        "timeout= or lower max_tokens")
+
+
 def _deltas(stream: Any, timeout: float | None) -> Iterator[str]:
     """The text deltas of an engine `GenerationStream`; always closes it (an early exit cancels the request).
 
@@ -141,10 +150,7 @@ def _deltas(stream: Any, timeout: float | None) -> Iterator[str]:
             try:
                 kind, value = items.get(timeout=remaining) if remaining > 0 else items.get_nowait()
             except queue.Empty:
-                raise TimeoutError(
-                    f"ChatKVFuse: no complete answer within timeout={timeout:g}s ({received} text deltas received); "
-                    "the request was cancelled. Time spent waiting for the engine (it computes one request at a "
-                    "time) counts too: raise timeout= or lower max_tokens") from None
+                raise _timeout_error(timeout, received) from None
             if kind == "delta":
                 received += 1
                 yield value
@@ -515,6 +521,33 @@ class ChatKVFuse(BaseChatModel):
         self._warn_if_unfused(call, result)
         return result
 
+    async def _aengine(self) -> Any:
+        """`get_engine` from the event loop: a lazily loaded engine is loaded on a worker thread (once)."""
+        if self.engine is None:
+            await asyncio.to_thread(self.get_engine)
+        return self.engine
+
+    def _aopen(self, call: _Call, seed: int | None) -> Any:
+        """The engine's async stream (arguments checked now; submitted on the first anext)."""
+        if call.messages is None:
+            return self.engine.astream(call.question, call.docs, seed=seed, **call.opts)
+        return self.engine.astream_chat(call.messages, call.docs, seed=seed, **call.opts)
+
+    def _adeltas(self, call: _Call, seed: int | None) -> tuple[Any, AsyncIterator[str]]:
+        """(engine stream, its deltas under the call's timeout); the deltas generator closes the stream."""
+        stream = self._aopen(call, seed)
+        on_timeout = None if call.timeout is None else lambda n: _timeout_error(call.timeout, n)
+        return stream, adeltas(stream, call.timeout, on_timeout)
+
+    async def _arun(self, call: _Call, seed: int | None) -> GenerationResult:
+        """`_run` on the event loop (the engine's async front: decoded in the engine's batch with the other
+        requests; a cancelled task or the timeout cancels the engine request)."""
+        stream = self._aopen(call, seed)
+        on_timeout = None if call.timeout is None else lambda n: _timeout_error(call.timeout, n)
+        result = await arun(stream, call.timeout, on_timeout)
+        self._warn_if_unfused(call, result)
+        return result
+
     def _warn_if_unfused(self, call: _Call, result: GenerationResult | None) -> None:
         if (result is None or call.documents_given or result.doc_tokens
                 or result.prompt_tokens < UNFUSED_WARNING_TOKENS or "unfused" in _warned):
@@ -548,9 +581,18 @@ class ChatKVFuse(BaseChatModel):
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                   run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
         call = self._request(messages, stop, kwargs)
+        return self._chat_result([(self._run(call, seed), seed) for seed in call.seeds])
+
+    async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                         run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
+        self._request(messages, stop, kwargs, resolve=False)  # bad arguments raise before an engine is loaded
+        await self._aengine()
+        call = self._request(messages, stop, kwargs)
+        return self._chat_result([(await self._arun(call, seed), seed) for seed in call.seeds])
+
+    def _chat_result(self, results: list[tuple[GenerationResult, int | None]]) -> ChatResult:
         generations, total = [], {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0, "cached_tokens": 0}
-        for seed in call.seeds:
-            result = self._run(call, seed)
+        for result, seed in results:
             usage, meta = self._metadata(result, seed)
             for k in total:
                 total[k] += meta["token_usage"][k]
@@ -582,14 +624,26 @@ class ChatKVFuse(BaseChatModel):
     async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                        run_manager: AsyncCallbackManagerForLLMRun | None = None,
                        **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
-        call = self._request(messages, stop, kwargs, resolve=False)  # bad arguments raise here, not on the worker
+        call = self._request(messages, stop, kwargs, resolve=False)  # bad arguments raise before an engine loads
         if len(call.seeds) > 1:
             raise ValueError("ChatKVFuse: n > 1 cannot stream; call agenerate() (or ainvoke) instead")
-        chunks = iterate_in_thread(lambda: self._stream(messages, stop=stop, **kwargs))
-        async for chunk in chunks:
-            if run_manager and chunk.message.content:
-                await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
-            yield chunk
+        await self._aengine()
+        call = self._request(messages, stop, kwargs)
+        seed = call.seeds[0]
+        stream, deltas = self._adeltas(call, seed)
+        async with contextlib.aclosing(deltas):  # closes the engine stream (cancelling it) however this ends
+            async for delta in deltas:
+                if not delta:
+                    continue
+                chunk = ChatGenerationChunk(message=AIMessageChunk(content=delta))
+                if run_manager:
+                    await run_manager.on_llm_new_token(delta, chunk=chunk)
+                yield chunk
+        self._warn_if_unfused(call, stream.result)
+        usage, meta = self._metadata(stream.result, seed)
+        yield ChatGenerationChunk(message=AIMessageChunk(content="", usage_metadata=usage, response_metadata=meta,
+                                                         chunk_position="last"),
+                                  generation_info={"finish_reason": meta["finish_reason"]})
 
     # --- structured output ------------------------------------------------------------------------------
 

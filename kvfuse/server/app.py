@@ -15,7 +15,6 @@ import json
 import logging
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import anyio
@@ -305,7 +304,7 @@ async def _close(state: ServerState, stream) -> None:
 
 
 def create_app(engine, *, model_name: str | None = None, api_key: str | None = None, max_pending: int = 64,
-               default_max_tokens: int = 256, owns_engine: bool = False, worker_threads: int | None = None) -> FastAPI:
+               default_max_tokens: int = 256, owns_engine: bool = False) -> FastAPI:
     """The FastAPI app serving `engine`.
 
     Args:
@@ -314,8 +313,6 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
         max_pending: generation requests in flight at most; past it, 429 with Retry-After.
         default_max_tokens: the answer length when a request gives none.
         owns_engine: shut the engine down (`shutdown()` or `close()`) when the app stops.
-        worker_threads: the event loop's default thread pool (the engine's async fronts wait on it); default
-            max_pending + 16.
     """
     state = ServerState(engine, model_name=model_name, api_key=api_key, max_pending=max_pending,
                         default_max_tokens=default_max_tokens, owns_engine=owns_engine)
@@ -323,8 +320,6 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         state.loop = asyncio.get_running_loop()
-        state.loop.set_default_executor(
-            ThreadPoolExecutor(max_workers=worker_threads or max_pending + 16, thread_name_prefix="kvfuse-server"))
         yield
         state.start_draining()
         await state.cancel_all()  # whatever the graceful period left running
