@@ -29,7 +29,7 @@ from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_core.messages.ai import UsageMetadata
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.runnables import Runnable, RunnableLambda, RunnableMap, RunnablePassthrough
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, ValidationError, model_validator
 
 from kvfuse.engine.fusion import DEFAULT_STRATEGY
 from kvfuse.engine.types import Document, GenerationResult, as_documents
@@ -291,9 +291,11 @@ def _instruction(json_schema: dict[str, Any] | None) -> str:
 class ChatKVFuse(BaseChatModel):
     """LangChain chat model over kvfuse cache fusion.
 
-    Give it an engine (`ChatKVFuse(engine=FusionEngine.from_pretrained(...))`) or a model name / path
+    Give it an engine (`ChatKVFuse(engine=FusionEngine.from_pretrained(...))`), a model name / path
     (`ChatKVFuse(model="qwen2.5-coder-0.5b")`, loaded on first use with `device`, `dtype`, `cache_dir` and
-    `engine_options`).
+    `engine_options`), or a running `kvfuse serve` (`ChatKVFuse(base_url="http://host:8000/v1", api_key=...)`,
+    `model=` optionally naming the served model): the same calls, documents, options, streaming and metadata
+    over HTTP (see `kvfuse.integrations.remote`).
 
     Messages are a real chat: system, human and AI turns go through the model's chat template
     (`FusionEngine.chat`). Documents the engine knows (precomputed, registered, or used before) are found by
@@ -327,6 +329,8 @@ class ChatKVFuse(BaseChatModel):
 
     model_name: str = Field(default="", alias="model", description="Model name or path (engine's if empty).")
     engine: Any = Field(default=None, exclude=True, description="A kvfuse FusionEngine (loaded lazily if None).")
+    base_url: str | None = Field(default=None, description="URL of a running `kvfuse serve` (instead of engine).")
+    api_key: SecretStr | None = Field(default=None, exclude=True, description="The server's API key.")
     device: str | None = Field(default=None, description="Device for a lazily loaded engine.")
     dtype: Any = Field(default=None, description="dtype for a lazily loaded engine (torch.bfloat16 or its name).")
     cache_dir: str | None = Field(default=None, description="Cache folder for a lazily loaded engine.")
@@ -361,8 +365,17 @@ class ChatKVFuse(BaseChatModel):
 
     @model_validator(mode="after")
     def _check(self) -> ChatKVFuse:
+        if self.base_url is not None:
+            if self.engine is not None:
+                raise ValueError("ChatKVFuse takes engine= or base_url= (a running `kvfuse serve`), not both")
+            from ..remote import RemoteEngine
+
+            key = self.api_key.get_secret_value() if self.api_key is not None else None
+            self.engine = RemoteEngine(self.base_url, api_key=key, model=self.model_name or None)
+        elif self.api_key is not None:
+            raise ValueError("ChatKVFuse: api_key= is a server's key: give base_url= too")
         if self.engine is None and not self.model_name:
-            raise ValueError("ChatKVFuse needs engine= or model=")
+            raise ValueError("ChatKVFuse needs engine=, model= or base_url=")
         if not self.model_name:
             self.model_name = str(self.engine.model_name)
         if self.model_kwargs:

@@ -186,8 +186,13 @@ class FusionLLM(CustomLLM):
     together in the engine's batch, and a cancelled task (or a stream closed early) cancels its engine request.
     A FusionLLM can't be pickled (it holds the engine).
 
+    Over HTTP: `FusionLLM(base_url="http://host:8000/v1", api_key=..., model=...)` talks to a running
+    `kvfuse serve` instead of an engine in this process (see `kvfuse.integrations.remote`): the same calls,
+    documents, options, streaming and usage; `generation_result` is then a `RemoteResult` (no token ids).
+
     Args:
-        engine: a `kvfuse.engine.api.FusionEngine`.
+        engine: a `kvfuse.engine.api.FusionEngine` (or a `kvfuse.integrations.remote.RemoteEngine`).
+        base_url, api_key, model: instead of `engine`, a running `kvfuse serve` (its URL, key, served model).
         model_name: reported in `metadata` (default: the engine's model name).
         context_window: reported in `metadata` (LlamaIndex packs prompts to it); default and maximum: the
             engine's context window.
@@ -223,9 +228,19 @@ class FusionLLM(CustomLLM):
     _strategy_options: dict[str, Any] = PrivateAttr(default_factory=dict)
     _generation: dict[str, Any] = PrivateAttr(default_factory=dict)
 
-    def __init__(self, engine: Any = None, **kwargs: Any) -> None:
+    def __init__(self, engine: Any = None, *, base_url: str | None = None, api_key: str | None = None,
+                 model: str | None = None, **kwargs: Any) -> None:
+        if base_url is not None:
+            if engine is not None:
+                raise ValueError("FusionLLM takes engine= or base_url= (a running `kvfuse serve`), not both")
+            from ..remote import RemoteEngine
+
+            engine = RemoteEngine(base_url, api_key=api_key, model=model)
+        elif api_key is not None or model is not None:
+            raise ValueError("FusionLLM: api_key= and model= name a server's key and model: give base_url= too")
         if engine is None:
-            raise ValueError("FusionLLM needs an engine: FusionLLM(engine=FusionEngine.from_pretrained(...))")
+            raise ValueError("FusionLLM needs an engine: FusionLLM(engine=FusionEngine.from_pretrained(...)), or "
+                             "base_url= of a running `kvfuse serve`")
         known = set(type(self).model_fields) | set(_ALIASES)
         unknown = sorted(k for k in kwargs if k not in known)
         if unknown:
@@ -425,7 +440,7 @@ class FusionLLM(CustomLLM):
         return response
 
     def _warn_if_unfused(self, request: _Request, result: GenerationResult) -> None:
-        if request.docs or result.doc_spans or request.chars < UNFUSED_WARNING_CHARS or "unfused" in _warned:
+        if request.docs or result.doc_tokens or request.chars < UNFUSED_WARNING_CHARS or "unfused" in _warned:
             return
         _warned.add("unfused")
         logger.warning(

@@ -162,9 +162,14 @@ def _usage(result) -> dict[str, Any]:
 
 def _extension(result) -> dict[str, Any]:
     """kvfuse's own numbers about a request, next to the OpenAI fields."""
-    return {"strategy": result.strategy, "recompute_fraction": result.recompute_fraction,
-            "cache_hits": result.cache_hits, "cache_misses": result.cache_misses, "ttft_s": result.ttft_s,
-            "queue_s": result.queue_s, "documents": list(result.extra.get("documents", []))}
+    return {"strategy": result.strategy, "recompute_ratio": result.recompute_ratio,
+            "recompute_fraction": result.recompute_fraction, "cache_hits": result.cache_hits,
+            "cache_misses": result.cache_misses, "stale": result.stale, "ttft_s": result.ttft_s,
+            "queue_s": result.queue_s, "prefill_s": result.prefill_s, "decode_s": result.decode_s,
+            "selection_s": result.selection_s, "miss_prefill_s": result.miss_prefill_s,
+            "prompt_tokens": result.prompt_tokens, "doc_tokens": result.doc_tokens,
+            "question_tokens": result.question_tokens, "recomputed_tokens": result.recomputed_tokens,
+            "finish_reason": result.finish_reason, "documents": list(result.extra.get("documents", []))}
 
 
 def _finish(result) -> str:
@@ -386,6 +391,10 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
         window = getattr(engine, "context_window", None)
         if window:
             card["context_window"] = int(window)
+        fmt = getattr(getattr(engine, "prompts", None), "fmt", None)
+        if fmt is not None:  # how the engine lays documents out (clients that write them into a chat use it)
+            card["kvfuse"] = {"prompt_format": {"instruction": fmt.instruction, "doc_suffix": fmt.doc_suffix,
+                                                "question_template": fmt.question_template}}
         return {"object": "list", "data": [card]}
 
     @v1.post("/documents")
