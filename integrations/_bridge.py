@@ -1,4 +1,4 @@
-"""Framework-free plumbing shared by the LlamaIndex and LangChain adapters: documents, stats, threads.
+"""Framework-free plumbing shared by the LlamaIndex and LangChain adapters: documents, stats, async streams.
 
 Nothing here imports LlamaIndex or LangChain, so it can be tested and reused without either installed.
 """
@@ -6,15 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import threading
-from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from kvfuse.engine.types import GenerationResult
 
-__all__ = ["content_id", "result_stats", "iterate_in_thread", "GENERATION_OPTIONS"]
-
-T = TypeVar("T")
+__all__ = ["content_id", "result_stats", "adeltas", "arun", "GENERATION_OPTIONS"]
 
 #: Per-call options forwarded to `FusionEngine.generate` / `.stream` (everything else is rejected).
 GENERATION_OPTIONS = ("strategy", "recompute_ratio", "max_new_tokens", "temperature", "top_p", "seed", "stop")
@@ -39,59 +36,56 @@ def result_stats(result: GenerationResult | None) -> dict[str, Any]:
         return {}
     stats = result.as_dict()
     stats.pop("text", None)
-    stats["output_tokens"] = len(stats.pop("token_ids", None) or [])
+    stats.pop("token_ids", None)
+    stats["output_tokens"] = int(result.usage()["completion_tokens"])
     return stats
 
 
-_ITEM, _DONE, _ERROR = object(), object(), object()
-
-
-async def iterate_in_thread(make_iterator: Callable[[], Iterator[T]]) -> AsyncIterator[T]:
-    """Runs a blocking iterator in one worker thread and yields its items without blocking the event loop.
-
-    The whole iteration happens on a single thread (torch's grad/inference mode is thread-local, so a stream
-    must not hop between pool threads). If the consumer stops early, the worker stops after the item it is
-    computing and closes the iterator.
+async def adeltas(stream: Any, timeout: float | None = None,
+                  on_timeout: Callable[[int], BaseException] | None = None) -> AsyncIterator[str]:
+    """The text deltas of an engine's async stream (`engine.astream(...)` / `astream_chat(...)`, or a remote
+    engine's), awaited on the event loop: no thread per request. The stream is always closed (`aclose()`) when
+    this ends, however it ends: exhausted, an error, the consumer stopping early (close this generator, e.g. with
+    `contextlib.aclosing`), the task being cancelled, or the deadline; closing cancels the request, which
+    leaves the engine's batch at its next decode step.
 
     Args:
-        make_iterator: called on the worker thread; returns the iterator to drain.
+        stream: an async iterator of text deltas with `aclose()`; `.result` holds the result once exhausted.
+        timeout: seconds from now for the whole answer (None: no limit). Past it the request is cancelled and
+            `on_timeout(deltas received)` is raised (a plain TimeoutError without it).
     """
     loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[tuple[object, Any]] = asyncio.Queue()
-    cancelled = threading.Event()
-
-    def post(kind: object, value: Any) -> None:
-        try:
-            loop.call_soon_threadsafe(queue.put_nowait, (kind, value))
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            cancelled.set()
-
-    def work() -> None:
-        try:
-            iterator = make_iterator()
-            try:
-                for item in iterator:
-                    if cancelled.is_set():
-                        break
-                    post(_ITEM, item)
-            finally:
-                close = getattr(iterator, "close", None)
-                if close is not None:
-                    close()
-        except BaseException as exc:  # handed to the consumer, re-raised there
-            post(_ERROR, exc)
-        else:
-            post(_DONE, None)
-
-    thread = threading.Thread(target=work, name="kvfuse-stream", daemon=True)
-    thread.start()
+    deadline = None if timeout is None else loop.time() + timeout
+    received = 0
     try:
         while True:
-            kind, value = await queue.get()
-            if kind is _DONE:
+            try:
+                if deadline is None:
+                    delta = await anext(stream)
+                else:
+                    async with asyncio.timeout_at(deadline):
+                        delta = await anext(stream)
+            except StopAsyncIteration:
                 return
-            if kind is _ERROR:
-                raise value
-            yield value
+            except TimeoutError:
+                if deadline is not None and loop.time() >= deadline:
+                    raise (on_timeout(received) if on_timeout else TimeoutError(
+                        f"no complete answer within {timeout:g}s")) from None
+                raise
+            received += 1
+            yield delta
     finally:
-        cancelled.set()
+        await stream.aclose()
+
+
+async def arun(stream: Any, timeout: float | None = None,
+               on_timeout: Callable[[int], BaseException] | None = None) -> Any:
+    """Runs an async engine stream to its end (deltas discarded) and returns its `.result`; closes it however
+    the call ends, so a cancelled or timed-out task cancels the engine request (see `adeltas`)."""
+    deltas = adeltas(stream, timeout, on_timeout)
+    try:
+        async for _ in deltas:
+            pass
+    finally:
+        await deltas.aclose()
+    return stream.result

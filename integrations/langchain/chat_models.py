@@ -9,6 +9,8 @@ call, or `.bind(documents=...)`).
 """
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 import queue
@@ -27,11 +29,11 @@ from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_core.messages.ai import UsageMetadata
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.runnables import Runnable, RunnableLambda, RunnableMap, RunnablePassthrough
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, ValidationError, model_validator
 
 from kvfuse.engine.fusion import DEFAULT_STRATEGY
 from kvfuse.engine.types import Document, GenerationResult, as_documents
-from .._bridge import content_id, iterate_in_thread, result_stats
+from .._bridge import adeltas, arun, content_id, result_stats
 
 __all__ = ["ChatKVFuse", "lc_documents_to_documents", "messages_to_chat"]
 
@@ -107,6 +109,13 @@ class _Call:
     seeds: list[int | None] = field(default_factory=list)
 
 
+def _timeout_error(timeout: float, received: int) -> TimeoutError:
+    return TimeoutError(
+        f"ChatKVFuse: no complete answer within timeout={timeout:g}s ({received} text deltas received); the request "
+        "was cancelled. Time spent waiting for the engine (queued behind other requests) counts too: raise "
+        "timeout= or lower max_tokens")
+
+
 def _deltas(stream: Any, timeout: float | None) -> Iterator[str]:
     """The text deltas of an engine `GenerationStream`; always closes it (an early exit cancels the request).
 
@@ -141,10 +150,7 @@ def _deltas(stream: Any, timeout: float | None) -> Iterator[str]:
             try:
                 kind, value = items.get(timeout=remaining) if remaining > 0 else items.get_nowait()
             except queue.Empty:
-                raise TimeoutError(
-                    f"ChatKVFuse: no complete answer within timeout={timeout:g}s ({received} text deltas received); "
-                    "the request was cancelled. Time spent waiting for the engine (it computes one request at a "
-                    "time) counts too: raise timeout= or lower max_tokens") from None
+                raise _timeout_error(timeout, received) from None
             if kind == "delta":
                 received += 1
                 yield value
@@ -285,9 +291,11 @@ def _instruction(json_schema: dict[str, Any] | None) -> str:
 class ChatKVFuse(BaseChatModel):
     """LangChain chat model over kvfuse cache fusion.
 
-    Give it an engine (`ChatKVFuse(engine=FusionEngine.from_pretrained(...))`) or a model name / path
+    Give it an engine (`ChatKVFuse(engine=FusionEngine.from_pretrained(...))`), a model name / path
     (`ChatKVFuse(model="qwen2.5-coder-0.5b")`, loaded on first use with `device`, `dtype`, `cache_dir` and
-    `engine_options`).
+    `engine_options`), or a running `kvfuse serve` (`ChatKVFuse(base_url="http://host:8000/v1", api_key=...)`,
+    `model=` optionally naming the served model): the same calls, documents, options, streaming and metadata
+    over HTTP (see `kvfuse.integrations.remote`).
 
     Messages are a real chat: system, human and AI turns go through the model's chat template
     (`FusionEngine.chat`). Documents the engine knows (precomputed, registered, or used before) are found by
@@ -321,6 +329,8 @@ class ChatKVFuse(BaseChatModel):
 
     model_name: str = Field(default="", alias="model", description="Model name or path (engine's if empty).")
     engine: Any = Field(default=None, exclude=True, description="A kvfuse FusionEngine (loaded lazily if None).")
+    base_url: str | None = Field(default=None, description="URL of a running `kvfuse serve` (instead of engine).")
+    api_key: SecretStr | None = Field(default=None, exclude=True, description="The server's API key.")
     device: str | None = Field(default=None, description="Device for a lazily loaded engine.")
     dtype: Any = Field(default=None, description="dtype for a lazily loaded engine (torch.bfloat16 or its name).")
     cache_dir: str | None = Field(default=None, description="Cache folder for a lazily loaded engine.")
@@ -355,8 +365,17 @@ class ChatKVFuse(BaseChatModel):
 
     @model_validator(mode="after")
     def _check(self) -> ChatKVFuse:
+        if self.base_url is not None:
+            if self.engine is not None:
+                raise ValueError("ChatKVFuse takes engine= or base_url= (a running `kvfuse serve`), not both")
+            from ..remote import RemoteEngine
+
+            key = self.api_key.get_secret_value() if self.api_key is not None else None
+            self.engine = RemoteEngine(self.base_url, api_key=key, model=self.model_name or None)
+        elif self.api_key is not None:
+            raise ValueError("ChatKVFuse: api_key= is a server's key: give base_url= too")
         if self.engine is None and not self.model_name:
-            raise ValueError("ChatKVFuse needs engine= or model=")
+            raise ValueError("ChatKVFuse needs engine=, model= or base_url=")
         if not self.model_name:
             self.model_name = str(self.engine.model_name)
         if self.model_kwargs:
@@ -515,6 +534,33 @@ class ChatKVFuse(BaseChatModel):
         self._warn_if_unfused(call, result)
         return result
 
+    async def _aengine(self) -> Any:
+        """`get_engine` from the event loop: a lazily loaded engine is loaded on a worker thread (once)."""
+        if self.engine is None:
+            await asyncio.to_thread(self.get_engine)
+        return self.engine
+
+    def _aopen(self, call: _Call, seed: int | None) -> Any:
+        """The engine's async stream (arguments checked now; submitted on the first anext)."""
+        if call.messages is None:
+            return self.engine.astream(call.question, call.docs, seed=seed, **call.opts)
+        return self.engine.astream_chat(call.messages, call.docs, seed=seed, **call.opts)
+
+    def _adeltas(self, call: _Call, seed: int | None) -> tuple[Any, AsyncIterator[str]]:
+        """(engine stream, its deltas under the call's timeout); the deltas generator closes the stream."""
+        stream = self._aopen(call, seed)
+        on_timeout = None if call.timeout is None else lambda n: _timeout_error(call.timeout, n)
+        return stream, adeltas(stream, call.timeout, on_timeout)
+
+    async def _arun(self, call: _Call, seed: int | None) -> GenerationResult:
+        """`_run` on the event loop (the engine's async front: decoded in the engine's batch with the other
+        requests; a cancelled task or the timeout cancels the engine request)."""
+        stream = self._aopen(call, seed)
+        on_timeout = None if call.timeout is None else lambda n: _timeout_error(call.timeout, n)
+        result = await arun(stream, call.timeout, on_timeout)
+        self._warn_if_unfused(call, result)
+        return result
+
     def _warn_if_unfused(self, call: _Call, result: GenerationResult | None) -> None:
         if (result is None or call.documents_given or result.doc_tokens
                 or result.prompt_tokens < UNFUSED_WARNING_TOKENS or "unfused" in _warned):
@@ -548,9 +594,18 @@ class ChatKVFuse(BaseChatModel):
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                   run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
         call = self._request(messages, stop, kwargs)
+        return self._chat_result([(self._run(call, seed), seed) for seed in call.seeds])
+
+    async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                         run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
+        self._request(messages, stop, kwargs, resolve=False)  # bad arguments raise before an engine is loaded
+        await self._aengine()
+        call = self._request(messages, stop, kwargs)
+        return self._chat_result([(await self._arun(call, seed), seed) for seed in call.seeds])
+
+    def _chat_result(self, results: list[tuple[GenerationResult, int | None]]) -> ChatResult:
         generations, total = [], {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0, "cached_tokens": 0}
-        for seed in call.seeds:
-            result = self._run(call, seed)
+        for result, seed in results:
             usage, meta = self._metadata(result, seed)
             for k in total:
                 total[k] += meta["token_usage"][k]
@@ -582,14 +637,26 @@ class ChatKVFuse(BaseChatModel):
     async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                        run_manager: AsyncCallbackManagerForLLMRun | None = None,
                        **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
-        call = self._request(messages, stop, kwargs, resolve=False)  # bad arguments raise here, not on the worker
+        call = self._request(messages, stop, kwargs, resolve=False)  # bad arguments raise before an engine loads
         if len(call.seeds) > 1:
             raise ValueError("ChatKVFuse: n > 1 cannot stream; call agenerate() (or ainvoke) instead")
-        chunks = iterate_in_thread(lambda: self._stream(messages, stop=stop, **kwargs))
-        async for chunk in chunks:
-            if run_manager and chunk.message.content:
-                await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
-            yield chunk
+        await self._aengine()
+        call = self._request(messages, stop, kwargs)
+        seed = call.seeds[0]
+        stream, deltas = self._adeltas(call, seed)
+        async with contextlib.aclosing(deltas):  # closes the engine stream (cancelling it) however this ends
+            async for delta in deltas:
+                if not delta:
+                    continue
+                chunk = ChatGenerationChunk(message=AIMessageChunk(content=delta))
+                if run_manager:
+                    await run_manager.on_llm_new_token(delta, chunk=chunk)
+                yield chunk
+        self._warn_if_unfused(call, stream.result)
+        usage, meta = self._metadata(stream.result, seed)
+        yield ChatGenerationChunk(message=AIMessageChunk(content="", usage_metadata=usage, response_metadata=meta,
+                                                         chunk_position="last"),
+                                  generation_info={"finish_reason": meta["finish_reason"]})
 
     # --- structured output ------------------------------------------------------------------------------
 

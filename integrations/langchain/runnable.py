@@ -50,7 +50,8 @@ class FusionRunnable(RunnableSerializable[FusionInput, dict[str, Any]]):
     """Answers a question over documents with kvfuse cache fusion (see the module docstring for I/O).
 
     Args:
-        engine: a `FusionEngine`.
+        engine: a `FusionEngine` (or a `RemoteEngine`).
+        base_url, api_key, model: instead of `engine`, a running `kvfuse serve` (see `kvfuse.integrations.remote`).
         retriever: optional; any Runnable from a question string to documents (a LangChain retriever).
         strategy, recompute_ratio, max_new_tokens (alias max_tokens), temperature, top_p, seed (None: a fresh
             random seed per call), stop, timeout (seconds, waiting for the engine included): generation defaults;
@@ -80,9 +81,17 @@ class FusionRunnable(RunnableSerializable[FusionInput, dict[str, Any]]):
                 raise ValueError(f"FusionRunnable got unknown settings {unknown}; it takes {sorted(known)}")
         return values
 
-    def __init__(self, engine: Any = None, **kwargs: Any) -> None:
+    def __init__(self, engine: Any = None, *, base_url: str | None = None, api_key: str | None = None,
+                 model: str | None = None, **kwargs: Any) -> None:
+        if base_url is not None:
+            if engine is not None:
+                raise ValueError("FusionRunnable takes engine= or base_url= (a running `kvfuse serve`), not both")
+            from ..remote import RemoteEngine
+
+            engine = RemoteEngine(base_url, api_key=api_key, model=model)
         if engine is None:
-            raise ValueError("FusionRunnable needs an engine: FusionRunnable(FusionEngine.from_pretrained(...))")
+            raise ValueError("FusionRunnable needs an engine: FusionRunnable(FusionEngine.from_pretrained(...)), "
+                             "or base_url= of a running `kvfuse serve`")
         if "max_tokens" in kwargs and "max_new_tokens" in kwargs:
             raise ValueError("FusionRunnable got both max_tokens and max_new_tokens: give one")
         super().__init__(engine=engine, **kwargs)

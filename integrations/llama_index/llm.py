@@ -9,9 +9,9 @@ FusionLLM(...)`, `index.as_chat_engine(chat_mode="context", llm=...)`. Retrieved
 """
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -36,7 +36,7 @@ from pydantic import AliasChoices, TypeAdapter, ValidationError
 from kvfuse.engine.fusion import DEFAULT_STRATEGY
 from kvfuse.engine.types import Document, GenerationResult, as_documents
 
-from .._bridge import content_id, iterate_in_thread, result_stats
+from .._bridge import adeltas, arun, content_id, result_stats
 
 __all__ = ["FusionLLM", "nodes_to_documents", "messages_to_chat", "UNFUSED_WARNING_CHARS"]
 
@@ -182,11 +182,17 @@ class FusionLLM(CustomLLM):
     cache hits and misses: see `result_stats`) and the `GenerationResult` itself under `"generation_result"`.
     Streams end with one extra item whose `delta` is `""` and which carries all of that.
 
-    Async methods run the engine on a worker thread, so they never block the event loop. A FusionLLM can't be
-    pickled (it holds the engine).
+    Async methods await the engine's asyncio fronts (no thread per request): concurrent calls are decoded
+    together in the engine's batch, and a cancelled task (or a stream closed early) cancels its engine request.
+    A FusionLLM can't be pickled (it holds the engine).
+
+    Over HTTP: `FusionLLM(base_url="http://host:8000/v1", api_key=..., model=...)` talks to a running
+    `kvfuse serve` instead of an engine in this process (see `kvfuse.integrations.remote`): the same calls,
+    documents, options, streaming and usage; `generation_result` is then a `RemoteResult` (no token ids).
 
     Args:
-        engine: a `kvfuse.engine.api.FusionEngine`.
+        engine: a `kvfuse.engine.api.FusionEngine` (or a `kvfuse.integrations.remote.RemoteEngine`).
+        base_url, api_key, model: instead of `engine`, a running `kvfuse serve` (its URL, key, served model).
         model_name: reported in `metadata` (default: the engine's model name).
         context_window: reported in `metadata` (LlamaIndex packs prompts to it); default and maximum: the
             engine's context window.
@@ -222,9 +228,19 @@ class FusionLLM(CustomLLM):
     _strategy_options: dict[str, Any] = PrivateAttr(default_factory=dict)
     _generation: dict[str, Any] = PrivateAttr(default_factory=dict)
 
-    def __init__(self, engine: Any = None, **kwargs: Any) -> None:
+    def __init__(self, engine: Any = None, *, base_url: str | None = None, api_key: str | None = None,
+                 model: str | None = None, **kwargs: Any) -> None:
+        if base_url is not None:
+            if engine is not None:
+                raise ValueError("FusionLLM takes engine= or base_url= (a running `kvfuse serve`), not both")
+            from ..remote import RemoteEngine
+
+            engine = RemoteEngine(base_url, api_key=api_key, model=model)
+        elif api_key is not None or model is not None:
+            raise ValueError("FusionLLM: api_key= and model= name a server's key and model: give base_url= too")
         if engine is None:
-            raise ValueError("FusionLLM needs an engine: FusionLLM(engine=FusionEngine.from_pretrained(...))")
+            raise ValueError("FusionLLM needs an engine: FusionLLM(engine=FusionEngine.from_pretrained(...)), or "
+                             "base_url= of a running `kvfuse serve`")
         known = set(type(self).model_fields) | set(_ALIASES)
         unknown = sorted(k for k in kwargs if k not in known)
         if unknown:
@@ -380,6 +396,26 @@ class FusionLLM(CustomLLM):
             return self._engine.stream(request.question, request.docs, **request.opts)
         return self._engine.stream_chat(request.messages, request.docs, **request.opts)
 
+    async def _arun(self, request: _Request) -> CompletionResponse:
+        """`_run` on the event loop: the engine's async front, decoded in the same batch as other requests; a
+        cancelled task cancels the engine request."""
+        result = await arun(self._aopen(request))
+        return self._final(CompletionResponse(text=result.text), result, request)
+
+    def _aopen(self, request: _Request) -> Any:
+        """The engine's async stream (arguments checked now; submitted on the first anext)."""
+        if request.question is not None:
+            return self._engine.astream(request.question, request.docs, **request.opts)
+        return self._engine.astream_chat(request.messages, request.docs, **request.opts)
+
+    async def _adrain(self, stream: Any, request: _Request) -> AsyncIterator[CompletionResponse]:
+        text = ""
+        async with contextlib.aclosing(adeltas(stream)) as deltas:  # closes the engine stream however this ends
+            async for delta in deltas:
+                text += delta
+                yield CompletionResponse(text=text, delta=delta)
+        yield self._final(CompletionResponse(text=text, delta=""), stream.result, request)
+
     def _drain(self, stream: Any, request: _Request) -> Iterator[CompletionResponse]:
         text = ""
         try:
@@ -404,7 +440,7 @@ class FusionLLM(CustomLLM):
         return response
 
     def _warn_if_unfused(self, request: _Request, result: GenerationResult) -> None:
-        if request.docs or result.doc_spans or request.chars < UNFUSED_WARNING_CHARS or "unfused" in _warned:
+        if request.docs or result.doc_tokens or request.chars < UNFUSED_WARNING_CHARS or "unfused" in _warned:
             return
         _warned.add("unfused")
         logger.warning(
@@ -426,14 +462,13 @@ class FusionLLM(CustomLLM):
 
     @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        request = self._completion_request(prompt, formatted, kwargs)
-        return await asyncio.to_thread(self._run, request)
+        return await self._arun(self._completion_request(prompt, formatted, kwargs))
 
     @llm_completion_callback()
     async def astream_complete(self, prompt: str, formatted: bool = False,
                                **kwargs: Any) -> CompletionResponseAsyncGen:
-        request = self._completion_request(prompt, formatted, kwargs)  # fails here, not inside the worker thread
-        return iterate_in_thread(lambda: self._drain(self._open(request), request))
+        request = self._completion_request(prompt, formatted, kwargs)
+        return self._adrain(self._aopen(request), request)  # bad arguments raise here, before the first item
 
     # --- chat -------------------------------------------------------------------------------------------
 
@@ -455,15 +490,16 @@ class FusionLLM(CustomLLM):
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        request = self._chat_request(messages, kwargs)
-        return self._to_chat(await asyncio.to_thread(self._run, request))
+        return self._to_chat(await self._arun(self._chat_request(messages, kwargs)))
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
         request = self._chat_request(messages, kwargs)
+        responses = self._adrain(self._aopen(request), request)
 
         async def gen() -> ChatResponseAsyncGen:
-            async for response in iterate_in_thread(lambda: self._drain(self._open(request), request)):
-                yield self._to_chat(response)
+            async with contextlib.aclosing(responses):
+                async for response in responses:
+                    yield self._to_chat(response)
 
         return gen()

@@ -173,7 +173,7 @@ class FusionSynthesizer(BaseSynthesizer):
     async def asynthesize(self, query: QueryTextType, nodes: list[NodeWithScore],
                           additional_source_nodes: Sequence[NodeWithScore] | None = None,
                           **response_kwargs: Any) -> RESPONSE_TYPE:
-        """Async `synthesize`: the engine runs on a worker thread."""
+        """Async `synthesize`: awaits the engine's async front (concurrent queries are decoded together)."""
         dispatcher.event(SynthesizeStartEvent(query=query))
         bundle = QueryBundle(query_str=query) if isinstance(query, str) else query
         with self._callback_manager.event(CBEventType.SYNTHESIZE,

@@ -15,7 +15,6 @@ import json
 import logging
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import anyio
@@ -163,9 +162,14 @@ def _usage(result) -> dict[str, Any]:
 
 def _extension(result) -> dict[str, Any]:
     """kvfuse's own numbers about a request, next to the OpenAI fields."""
-    return {"strategy": result.strategy, "recompute_fraction": result.recompute_fraction,
-            "cache_hits": result.cache_hits, "cache_misses": result.cache_misses, "ttft_s": result.ttft_s,
-            "queue_s": result.queue_s, "documents": list(result.extra.get("documents", []))}
+    return {"strategy": result.strategy, "recompute_ratio": result.recompute_ratio,
+            "recompute_fraction": result.recompute_fraction, "cache_hits": result.cache_hits,
+            "cache_misses": result.cache_misses, "stale": result.stale, "ttft_s": result.ttft_s,
+            "queue_s": result.queue_s, "prefill_s": result.prefill_s, "decode_s": result.decode_s,
+            "selection_s": result.selection_s, "miss_prefill_s": result.miss_prefill_s,
+            "prompt_tokens": result.prompt_tokens, "doc_tokens": result.doc_tokens,
+            "question_tokens": result.question_tokens, "recomputed_tokens": result.recomputed_tokens,
+            "finish_reason": result.finish_reason, "documents": list(result.extra.get("documents", []))}
 
 
 def _finish(result) -> str:
@@ -305,7 +309,7 @@ async def _close(state: ServerState, stream) -> None:
 
 
 def create_app(engine, *, model_name: str | None = None, api_key: str | None = None, max_pending: int = 64,
-               default_max_tokens: int = 256, owns_engine: bool = False, worker_threads: int | None = None) -> FastAPI:
+               default_max_tokens: int = 256, owns_engine: bool = False) -> FastAPI:
     """The FastAPI app serving `engine`.
 
     Args:
@@ -314,8 +318,6 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
         max_pending: generation requests in flight at most; past it, 429 with Retry-After.
         default_max_tokens: the answer length when a request gives none.
         owns_engine: shut the engine down (`shutdown()` or `close()`) when the app stops.
-        worker_threads: the event loop's default thread pool (the engine's async fronts wait on it); default
-            max_pending + 16.
     """
     state = ServerState(engine, model_name=model_name, api_key=api_key, max_pending=max_pending,
                         default_max_tokens=default_max_tokens, owns_engine=owns_engine)
@@ -323,8 +325,6 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         state.loop = asyncio.get_running_loop()
-        state.loop.set_default_executor(
-            ThreadPoolExecutor(max_workers=worker_threads or max_pending + 16, thread_name_prefix="kvfuse-server"))
         yield
         state.start_draining()
         await state.cancel_all()  # whatever the graceful period left running
@@ -391,6 +391,10 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
         window = getattr(engine, "context_window", None)
         if window:
             card["context_window"] = int(window)
+        fmt = getattr(getattr(engine, "prompts", None), "fmt", None)
+        if fmt is not None:  # how the engine lays documents out (clients that write them into a chat use it)
+            card["kvfuse"] = {"prompt_format": {"instruction": fmt.instruction, "doc_suffix": fmt.doc_suffix,
+                                                "question_template": fmt.question_template}}
         return {"object": "list", "data": [card]}
 
     @v1.post("/documents")
