@@ -15,6 +15,9 @@ import logging
 import os
 import time
 
+import threading
+from types import SimpleNamespace
+
 import pytest
 
 pytest.importorskip("langchain_core")
@@ -453,11 +456,25 @@ class ScriptedEngine:
     def stream_chat(self, messages, documents=(), **opts):
         self.seen.append(messages)
 
-        def gen():
-            yield self.text
-            return self._result()
+        request = SimpleNamespace(cancel=threading.Event(), sink=None)
 
-        return GenerationStream(gen())
+        def submit(req):  # stands in for the scheduler: the whole answer at once
+            req.sink(("delta", self.text))
+            req.sink(("done", self._result()))
+
+        return GenerationStream(request, submit)
+
+    def astream_chat(self, messages, documents=(), **opts):
+        from kvfuse.engine.types import AsyncGenerationStream
+
+        self.seen.append(messages)
+        request = SimpleNamespace(cancel=threading.Event(), sink=None)
+
+        def submit(req):
+            req.sink(("delta", self.text))
+            req.sink(("done", self._result()))
+
+        return AsyncGenerationStream(request, submit)
 
 
 @pytest.mark.parametrize("schema, expected", [
