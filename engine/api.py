@@ -11,22 +11,22 @@ from typing import Any
 import torch
 
 from .config import EngineConfig, resolve_device, resolve_dtype
-from .corpus import default_cache_variants
 from .diagnose import ContextKV
+from .doccache import DocumentCache
 from .fusion import make_strategy
 from .fusion.base import Strategy
 from .fusion.reuse import Reuse
+from .fusion.select import reorder_documents
 from .models import build_decoder
 from .options import GenerationOptions
-from .profile import default_doc_profilers, load_profile, reorder_documents
+from .profile import load_profile
 from .prompt import PromptBuilder, PromptLayout
-from .decode import Arena, Decoding
+from .decode import Arena, Decoding, decode_rows
 from .runner import Runner, Segment
 from .scheduler import Request, Scheduler
 from .sampler import Sampler
-from .registry import DocumentIndex
 from .tracing import set_attributes, span
-from .store import CorruptEntry, DocKV, DocStore, Namespace, content_key, fingerprint_tensors
+from .store import DocKV, Namespace, fingerprint_tensors
 from .store.pool import KVPool
 from .types import (AsyncGenerationStream, Document, EngineOverloaded, GenerationResult, GenerationStream,
                     PrecomputeReport, as_documents)
@@ -36,6 +36,19 @@ __all__ = ["FusionEngine", "DEFAULT_MODEL"]
 
 DEFAULT_MODEL = "qwen2.5-coder-0.5b"
 _END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "</s>", "<|end|>")
+
+
+class _OnDocumentCache:
+    """An engine attribute that lives on the engine's DocumentCache (`engine.doc_cache`), read and written through."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, engine, owner=None):
+        return self if engine is None else getattr(engine.doc_cache, self.name)
+
+    def __set__(self, engine, value) -> None:
+        setattr(engine.doc_cache, self.name, value)
 
 
 class FusionEngine:
@@ -49,7 +62,17 @@ class FusionEngine:
         model_name: a display name.
         model_fingerprint / tokenizer_fingerprint: cache namespace parts; computed from the weights and the
             vocabulary when not given.
+
+    Document caches are served by `doc_cache` (a DocumentCache, engine/doccache.py); `store`, `registry`,
+    `doc_profilers`, `cache_variants`, `corpus` and `context_window` are its attributes, reachable here too.
     """
+
+    store = _OnDocumentCache()           # DocStore: memory tier (+ disk tier)
+    registry = _OnDocumentCache()        # DocumentIndex: bodies seen, found inside chat prompts
+    doc_profilers = _OnDocumentCache()   # extras name -> fn(cache, ids, kv) -> {name: tensor}
+    cache_variants = _OnDocumentCache()  # variant name -> fn(cache, strategy, doc, ids) -> (DocKV, tokens)
+    corpus = _OnDocumentCache()          # the Corpus neighbour-based variants (fusionrag) search, or None
+    context_window = _OnDocumentCache()  # tokens
 
     def __init__(self, hf_model, tokenizer, config: EngineConfig | None = None, *, model_name: str | None = None,
                  model_fingerprint: str | None = None, tokenizer_fingerprint: str | None = None) -> None:
@@ -70,26 +93,16 @@ class FusionEngine:
         self.eos_ids = _eos_ids(hf_model, tokenizer)
         sliding = getattr(hf_model.config, "sliding_window", None) if getattr(
             hf_model.config, "use_sliding_window", True) else None
-        self.context_window = min(self.decoder.spec.max_positions, sliding or 1 << 62)
-        self._prefix_key = content_key(self.namespace, [], self.prompts.prefix_ids)
+        window = min(self.decoder.spec.max_positions, sliding or 1 << 62)
         self._shortest_tail = len(self.prompts.encode_tail(""))  # the question template around an empty question
-        self.store = self._make_store()
+        # the document caches: store, registry, offline extras and cache variants (see engine/doccache.py)
+        self.doc_cache = DocumentCache(self.runner, self.prompts, self.namespace, self.config,
+                                       context_window=window)
         # requests run on the scheduler's thread, decoded together (engine/scheduler.py); other model work takes
         # the engine between two of its iterations (`self.scheduler.exclusive()`)
         self.decoding = Decoding(self.runner, self._make_arena(), self.config.cuda_graphs)
         self.scheduler = Scheduler(self, self.decoding, self.config.max_batch_size, self.config.max_queued_requests,
                                    self.config.prefill_tokens_per_step)
-        # Offline per-document work some strategies read (see _doc_kvs): extras stored with a document's cache
-        # (name -> fn(engine, ids, kv) -> {name: tensor}), cache variants (name -> fn(engine, strategy, doc, ids)
-        # -> (DocKV, tokens computed)), and the corpus that neighbour-based variants (fusionrag) search.
-        # documents seen (precomputed, registered, used), by a fingerprint of their body: found inside chat prompts
-        self.registry = DocumentIndex(self.config.id_index_bytes)
-        if self.store.disk is not None:  # registrations persist with the disk cache: stock paths fuse after a restart
-            for reg in self.store.disk.registrations():
-                self.registry.add_fingerprint(*reg)
-        self.doc_profilers = default_doc_profilers()
-        self.cache_variants = default_cache_variants()
-        self.corpus = None
 
     @classmethod
     def from_pretrained(cls, name_or_path: str = DEFAULT_MODEL, *, device: str | None = None,
@@ -135,8 +148,8 @@ class FusionEngine:
             tokens = 0
             bar = _progress(len(docs), show_progress, "kvfuse precompute")
             for i in range(0, len(docs), 16):  # in slices: the bar moves, and only a slice is held from eviction
-                with self.store.hold(), _on_device(self.device):
-                    _, n = self._doc_kvs(docs[i:i + 16], strat, doc_ids[i:i + 16])
+                with self.doc_cache.hold(), _on_device(self.device):
+                    _, n = self.doc_cache.kvs(docs[i:i + 16], strat, doc_ids[i:i + 16])
                 tokens += n
                 bar.update(len(docs[i:i + 16]))
             bar.close()
@@ -251,28 +264,14 @@ class FusionEngine:
     def register(self, docs: Iterable[Any]) -> int:
         """Remembers documents so that chat prompts containing their bodies are fused (no computation; `precompute`
         registers too). Returns how many can be searched for (bodies of at least 24 characters)."""
-        return sum(self._register(d) for d in as_documents(docs))
+        return sum(self.doc_cache.register(d) for d in as_documents(docs))
 
     def forget(self, doc_ids: Iterable[str]) -> int:
         """Evicts documents by id: their caches in memory and on disk, their id rows and their registration.
         Returns how many ids were known. Entries in use by a running request are left to it and dropped after."""
         ids = [check_text(i, "a document id") for i in ([doc_ids] if isinstance(doc_ids, str) else doc_ids)]
         with self.scheduler.exclusive():
-            if self.store.disk is not None:
-                for i in ids:
-                    self.store.disk.forget_registration(i)
-            return sum(bool(self.registry.remove(i)) | self.store.forget(i) for i in ids)
-
-    def _register(self, doc: Document) -> bool:
-        """Adds a document to the registry (and its disk rows) unless it is already there with this body."""
-        if self.registry.known(doc):
-            return True
-        fp = self.registry.fingerprint(doc)
-        if fp is None or not self.registry.add_fingerprint(doc.id, *fp):
-            return False
-        if self.store.disk is not None:
-            self.store.disk.put_registration(doc.id, *fp)
-        return True
+            return self.doc_cache.forget(ids)
 
     def _options(self, options: GenerationOptions | None, kwargs: dict[str, Any], *, chat: bool = False) -> tuple:
         """A request's options (`options` overridden by the keywords), checked against this engine; returns
@@ -381,7 +380,7 @@ class FusionEngine:
         """Store counters: hits, misses, stale, disk_hits, corrupt (bad disk rows dropped), evictions, memory_bytes,
         memory_entries, disk_errors (failed disk operations, served from memory or recomputed instead),
         disk_degraded (1 while the disk tier is paused after a failure), id_index_bytes."""
-        return dict(vars(self.store.snapshot()))
+        return self.doc_cache.stats()
 
     def layout(self, question: str | None = None, docs: Iterable[Any] = (), *,
                question_ids: Sequence[int] | None = None) -> PromptLayout:
@@ -408,49 +407,17 @@ class FusionEngine:
     def close(self) -> None:
         """Shuts the scheduler down (cancelling what is still running) and closes the caches."""
         self.scheduler.shutdown(timeout=0)
-        self.store.close()
+        self.doc_cache.close()
 
     # -- internals -------------------------------------------------------------------------------------
-    def _make_store(self) -> DocStore:
-        cfg, spec = self.config, self.decoder.spec
-        tier = cfg.kv_tier if cfg.kv_tier != "auto" else ("pool" if self.device.type == "cuda" else "host")
-        pool = None
-        if tier == "pool":
-            row_bytes = 2 * spec.n_layers * spec.n_kv_heads * spec.head_dim * self.decoder.embed.element_size()
-            scratch = cfg.scratch_tokens or min(self.context_window, 32768)
-            # documents (up to the memory budget) and the running requests' decode rows share one pool
-            pool = KVPool(spec.n_layers, spec.n_kv_heads, spec.head_dim,
-                          max(1, cfg.memory_budget_bytes // row_bytes) + self._decode_rows(), scratch, self.dtype,
-                          self.device)
-        return DocStore(cfg.memory_budget_bytes, cfg.disk_cache_dir, cfg.disk_budget_bytes, device=self.device,
-                        pool=pool, pin=tier == "host" and self.device.type == "cuda", id_scope=self._prefix_key[:32],
-                        id_index_bytes=cfg.id_index_bytes, disk_retry_s=cfg.disk_retry_s,
-                        validate=self._validate_entry, disk_secret=cfg.cache_secret_bytes())
-
     def _make_arena(self) -> Arena:
         """Decode rows: the document pool itself (documents read in place), or a pool of their own (host tier)."""
         pool = self.store.memory.pool
         if pool is not None:
             return Arena(pool, self.store.memory._evict_lru)
         spec = self.decoder.spec
-        return Arena(KVPool(spec.n_layers, spec.n_kv_heads, spec.head_dim, self._decode_rows(), 1, self.dtype,
-                            self.device))
-
-    def _decode_rows(self) -> int:
-        """Rows kept for running requests' prompts and answers (`decode_tokens`; default: two of the longest)."""
-        return self.config.decode_tokens or 2 * min(self.context_window, 32768)
-
-    def _validate_entry(self, kv: DocKV, length: int | None) -> None:
-        """Raises CorruptEntry when an entry read from disk can't be this model's cache of `length` tokens
-        (checksums catch damage; this catches a well-formed entry of the wrong shape, dtype or extras)."""
-        spec = self.decoder.spec
-        want = (spec.n_layers, kv.length if length is None else length, spec.n_kv_heads, spec.head_dim)
-        if tuple(kv.k.shape) != want or kv.k.dtype != self.dtype:
-            raise CorruptEntry(f"entry is {tuple(kv.k.shape)} {kv.k.dtype}, the model needs {want} {self.dtype}")
-        for name, t in kv.extras.items():
-            if t.dim() != 1 or t.dtype not in (torch.int32, torch.int64) or (
-                    t.numel() and (int(t.min()) < 0 or int(t.max()) >= kv.length)):
-                raise CorruptEntry(f"extra {name!r} is not a list of token indices of this document")
+        return Arena(KVPool(spec.n_layers, spec.n_kv_heads, spec.head_dim, decode_rows(self.config,
+                            self.context_window), 1, self.dtype, self.device))
 
     def _encode_documents(self, docs: list[Document]) -> list[list[int]]:
         """Each document's token ids (`PromptBuilder.encode_document`): the one tokenization of a request."""
@@ -483,62 +450,6 @@ class FusionEngine:
                          f"{layout.doc_tokens}, question {len(layout.tail)}, answer {reserve}), over the model's "
                          f"context window of {self.context_window} tokens")
 
-    def _prefix_kv(self) -> DocKV:
-        kv = self.store.memory.get(self._prefix_key)
-        if kv is None:
-            ids = torch.tensor(self.prompts.prefix_ids, dtype=torch.long)
-            p = int(ids.numel())
-            kv = self.runner.prefill(ids, [Segment(0, p, None)], Reuse(), 0.0, capture=(0, p),
-                                     want_logits=False).captured
-            kv = self.store.put(None, self._prefix_key, kv)
-        self.store.touch(self._prefix_key)
-        return kv
-
-    def _compute_doc(self, ids: list[int]) -> DocKV:
-        """Prefills one document alone after the prefix; returns its pre-RoPE K/V at local positions."""
-        prefix = self.prompts.prefix_ids
-        p, n = len(prefix), len(prefix) + len(ids)
-        full = torch.tensor(prefix + ids, dtype=torch.long)
-        segs = [Segment(0, p, self._prefix_kv(), selectable=False), Segment(p, n, None)]
-        return self.runner.prefill(full, segs, Reuse(), 0.0, capture=(p, n), want_logits=False).captured
-
-    def _doc_kvs(self, docs: list[Document], strat: Strategy | None = None, doc_ids: list[list[int]] | None = None
-                 ) -> tuple[list[tuple[list[int], DocKV]], int]:
-        """(ids, cache) per document, computing what is missing; returns also the document tokens computed.
-
-        `doc_ids`: the documents' token ids when already encoded (`_encode_documents`); tokenized here otherwise.
-
-        With a strategy: a `cache_variant` it names replaces the plain cache (served by `self.cache_variants`),
-        and the extras it names in `needs_extras` are computed once by `self.doc_profilers` and stored with the
-        entry (their cost counts as miss time)."""
-        out, tokens = [], 0
-        variant = getattr(strat, "cache_variant", None)
-        needs = tuple(getattr(strat, "needs_extras", ()))
-        if doc_ids is None:
-            doc_ids = self._encode_documents(docs)
-        for d, ids in zip(docs, doc_ids, strict=True):
-            if variant:
-                kv, n = self.cache_variants[variant](self, strat, d, ids)
-                out.append((ids, kv))
-                tokens += n
-                continue
-            key = content_key(self.namespace, self.prompts.prefix_ids, ids)
-            kv = self.store.lookup(d.id, key, len(ids))
-            if kv is None:
-                kv = self.store.put(d.id, key, self._compute_doc(ids))
-                tokens += len(ids)
-            missing = [n for n in needs if n not in kv.extras]
-            if missing:
-                extras = dict(kv.extras)
-                for name in missing:
-                    extras.update(self.doc_profilers[name](self, ids, kv))
-                own = kv if kv.pool is None else DocKV(kv.k.clone(), kv.v.clone())  # pooled rows get moved
-                kv = self.store.put(d.id, key, DocKV(own.k, own.v, extras))
-                tokens += len(ids)
-            self._register(d)
-            out.append((ids, kv))
-        return out, tokens
-
     def _prepare(self, question: str | list[int], docs: list[Document], strat: Strategy,
                  doc_ids: list[list[int]] | None = None, reserve: int = 0):
         """Lays out the prompt, checks that it and `reserve` answer tokens fit the context window (before any
@@ -565,9 +476,9 @@ class FusionEngine:
             strat.use_model_profile(load_profile(self))
         miss_tokens, kvs = 0, [None] * len(docs)
         if strat.uses_cache:
-            pairs, miss_tokens = self._doc_kvs(docs, strat, doc_ids)
+            pairs, miss_tokens = self.doc_cache.kvs(docs, strat, doc_ids)
             kvs = [kv if not n else _head(kv, n) for (_, kv), n in zip(pairs, keep or [None] * len(pairs))]
-        prefix_kv = self._prefix_kv() if strat.uses_cache and layout.prefix_cached else None
+        prefix_kv = self.doc_cache.prefix_kv() if strat.uses_cache and layout.prefix_cached else None
         segs = [Segment(layout.prefix.start, layout.prefix.end, prefix_kv, selectable=False)]
         segs += [Segment(sp.start, sp.end, kv) for sp, kv in zip(layout.docs, kvs)]
         segs += [Segment(sp.start, sp.end, None, selectable=False) for sp in layout.glue]

@@ -25,8 +25,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .fusion.reuse import Reuse
-from .runner import Segment
 from .store.keys import content_key
 from .types import Document, as_documents
 
@@ -150,8 +148,8 @@ def variant_key(base_key: str, name: str, mode: str, neighbour_keys: list[str]) 
 class FusionRagVariant:
     """Serves a document's FusionRAG cache: computed once with its corpus neighbours before it, then stored.
 
-    Called by the engine for strategies with `cache_variant = "fusionrag"`, with the strategy's
-    `variant_options` (`top_k`, `context`). The engine's corpus (`engine.corpus`) supplies the neighbours.
+    Called by the engine's DocumentCache for strategies with `cache_variant = "fusionrag"`, with the strategy's
+    `variant_options` (`top_k`, `context`). Its corpus (`engine.corpus`) supplies the neighbours.
 
     Args:
         max_context_tokens: cap on the neighbours' tokens prefilled before a document (most similar kept).
@@ -162,65 +160,45 @@ class FusionRagVariant:
     def __init__(self, max_context_tokens: int = 4096) -> None:
         self.max_context_tokens = int(max_context_tokens)
 
-    def __call__(self, engine, strategy, doc: Document, ids: list[int]):
-        """(DocKV, document tokens computed) for `doc` (token ids `ids`)."""
-        corpus = getattr(engine, "corpus", None)
+    def __call__(self, cache, strategy, doc: Document, ids: list[int]):
+        """(DocKV, document tokens computed) for `doc` (token ids `ids`).
+
+        `cache`: the engine's DocumentCache (engine/doccache.py), or an engine (its `doc_cache` is used)."""
+        cache = getattr(cache, "doc_cache", cache)
+        corpus = getattr(cache, "corpus", None)
         if corpus is None:
             raise ValueError("strategy 'fusionrag' needs a corpus to find each document's neighbours: set "
                              "engine.corpus = Corpus().add(documents) (kvfuse.engine.corpus)")
         opts = dict(getattr(strategy, "variant_options", {}))
         top_k, mode = int(opts.get("top_k", 10)), opts.get("context", "full")
-        prefix = engine.prompts.prefix_ids
-        cap = min(self.max_context_tokens, engine.context_window - len(prefix) - len(ids) - 1)
+        prefix = cache.prompts.prefix_ids
+        cap = min(self.max_context_tokens, cache.context_window - len(prefix) - len(ids) - 1)
         picked, total = [], 0
         for n in corpus.neighbours(doc, top_k):
-            nid = engine.prompts.encode_document(n)
+            nid = cache.prompts.encode_document(n)
             if total + len(nid) > cap:
                 break
             picked.append((n, nid))
             total += len(nid)
         if not picked:
-            pairs, tokens = engine._doc_kvs([doc], None, [ids])  # no neighbour: the plain cache
+            pairs, tokens = cache.kvs([doc], None, [ids])  # no neighbour: the plain cache
             return pairs[0][1], tokens
-        ns = engine.namespace
+        ns = cache.namespace
         base = content_key(ns, prefix, ids)
         key = variant_key(base, self.name, mode, [content_key(ns, prefix, nid) for _, nid in picked])
-        kv = engine.store.lookup(None, key, len(ids))
+        kv = cache.store.lookup(None, key, len(ids))
         if kv is not None:
             return kv, 0
         picked.reverse()  # least similar first: the most similar neighbour sits right before the document
-        kv, tokens = (self._full if mode == "full" else self._cached)(engine, picked, ids)
-        return engine.store.put(None, key, kv), tokens
-
-    @staticmethod
-    def _full(engine, picked, ids):
-        prefix = engine.prompts.prefix_ids
-        p = len(prefix)
-        ctx_ids = [t for _, nid in picked for t in nid]
-        full = torch.tensor(prefix + ctx_ids + ids, dtype=torch.long)
-        s, e = p + len(ctx_ids), int(full.numel())
-        segs = [Segment(0, p, engine._prefix_kv(), selectable=False), Segment(p, e, None)]
-        out = engine.runner.prefill(full, segs, Reuse(), 0.0, capture=(s, e), want_logits=False)
-        return out.captured, len(ctx_ids) + len(ids)
-
-    @staticmethod
-    def _cached(engine, picked, ids):
-        prefix = engine.prompts.prefix_ids
-        p = len(prefix)
-        pairs, tokens = engine._doc_kvs([n for n, _ in picked], None, [nid for _, nid in picked])
-        segs = [Segment(0, p, engine._prefix_kv(), selectable=False)]
-        pos, all_ids = p, list(prefix)
-        for nid, kv in pairs:
-            segs.append(Segment(pos, pos + len(nid), kv))
-            all_ids += nid
-            pos += len(nid)
-        segs.append(Segment(pos, pos + len(ids), None))
-        all_ids += ids
-        full = torch.tensor(all_ids, dtype=torch.long)
-        out = engine.runner.prefill(full, segs, Reuse(), 0.0, capture=(pos, pos + len(ids)), want_logits=False)
-        return out.captured, tokens + len(ids)
+        if mode == "full":  # the neighbours computed with the document
+            ctx_ids = [t for _, nid in picked for t in nid]
+            kv, tokens = cache.compute(ids, [(ctx_ids, None)]), len(ctx_ids) + len(ids)
+        else:  # the neighbours' own (plain) caches before the document
+            pairs, tokens = cache.kvs([n for n, _ in picked], None, [nid for _, nid in picked])
+            kv, tokens = cache.compute(ids, pairs), tokens + len(ids)
+        return cache.store.put(None, key, kv), tokens
 
 
 def default_cache_variants() -> dict:
-    """The cache variants an engine starts with: name -> callable(engine, strategy, doc, ids) -> (DocKV, n)."""
+    """The cache variants a DocumentCache starts with: name -> callable(cache, strategy, doc, ids) -> (DocKV, n)."""
     return {FusionRagVariant.name: FusionRagVariant()}

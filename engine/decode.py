@@ -22,10 +22,16 @@ from ..kernels.rope import apply_rope
 from .sources import PooledSource
 from .store.pool import KVPool
 
-__all__ = ["Arena", "Sequence", "Decoding", "BATCH_BUCKETS"]
+__all__ = ["Arena", "Sequence", "Decoding", "BATCH_BUCKETS", "decode_rows"]
 
 _UIDS = itertools.count()
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+def decode_rows(config, context_window: int) -> int:
+    """Rows kept for running requests' prompts and answers: `config.decode_tokens`, by default two of the longest
+    (twice the context window, capped at 2 x 32768)."""
+    return config.decode_tokens or 2 * min(context_window, 32768)
 
 
 class Arena:

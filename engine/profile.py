@@ -9,8 +9,10 @@
 - Document anchors (`AnchorProfiler`, extras name "anchors"): a document's digest for `qcfuse`, computed from its
   stored cache: the first `sinks` tokens plus the `ratio` share of tokens that receive the most attention from a
   strided sample of the document's own rows (recomputed exactly over its cache) at the critical layers.
-- `select_only`: runs a strategy's probe and `initial` over a prepared prompt and stops there (used to reorder
-  documents for strategies with `reorders_documents`, and by the anchor profiler).
+- `select_only` / `reorder_documents` (engine/fusion/select.py, re-exported here): a strategy's probe and
+  `initial` over a prepared prompt and nothing after (the anchor profiler uses it).
+
+The profilers receive the engine's DocumentCache (engine/doccache.py), or an engine (its `doc_cache` is used).
 """
 from __future__ import annotations
 
@@ -24,62 +26,13 @@ import torch
 from .fusion.base import SelectContext, Strategy, budget_for, topk_positions
 from .fusion.qattn import layer_mean
 from .fusion.qcfuse import default_critical_layers
-from .runner import Segment
+from .fusion.select import reorder_documents, select_only
 from .store.entry import DocKV
 
 __all__ = ["select_only", "reorder_documents", "AnchorProfiler", "SingleLayerProbe", "profile_layers",
            "profile_path", "load_profile", "save_profile", "critical_layers_for"]
 
 PROFILE_VERSION = 1
-
-
-# -- selection-only pass --------------------------------------------------------------------------------------
-class _Stop(Exception):
-    def __init__(self, ctx: SelectContext, chosen) -> None:
-        super().__init__("selection done")
-        self.ctx, self.chosen = ctx, chosen
-
-
-class _SelectOnly(Strategy):
-    """Wraps a strategy: same probe, then stops the prefill right after `initial` (nothing else is computed)."""
-
-    def __init__(self, inner: Strategy) -> None:
-        self.inner = inner
-
-    def probe_layers(self, n_layers: int):
-        return self.inner.probe_layers(n_layers)
-
-    def probe_keys(self, ctx: SelectContext):
-        return self.inner.probe_keys(ctx)
-
-    def initial(self, ctx: SelectContext):
-        raise _Stop(ctx, self.inner.initial(ctx))
-
-
-def select_only(runner, ids, segments, strategy: Strategy, ratio: float):
-    """(ctx, chosen) of `strategy` over a prepared prompt: its probe and `initial`, no fused prefill.
-
-    Returns (None, None) when the prompt has no cached segment (nothing to select from).
-    """
-    try:
-        runner.prefill(ids, segments, _SelectOnly(strategy), ratio, want_logits=False)
-    except _Stop as stop:
-        return stop.ctx, stop.chosen
-    return None, None
-
-
-def reorder_documents(runner, layout, segments, docs, strategy, ratio):
-    """The documents in the order `strategy.document_order` asks for after one selection pass over `layout`.
-
-    Documents the strategy cannot see (not cached) keep their relative order, ahead of the others.
-    """
-    ctx, chosen = select_only(runner, layout.ids, segments, strategy, ratio)
-    if ctx is None or len(ctx.doc_spans) < 2:
-        return list(docs)
-    by_start = {sp.start: i for i, sp in enumerate(layout.docs)}
-    moved = [by_start[ctx.doc_spans[j][0]] for j in strategy.document_order(ctx, chosen)]
-    seen = set(moved)
-    return [docs[i] for i in range(len(docs)) if i not in seen] + [docs[i] for i in moved]
 
 
 # -- model profiles (critical layers) -------------------------------------------------------------------------
@@ -240,38 +193,37 @@ class AnchorProfiler:
             raise ValueError("need 0 <= ratio <= 1, sinks >= 0, stride >= 1")
         self.ratio, self.sinks, self.stride = float(ratio), int(sinks), int(stride)
 
-    def __call__(self, engine, ids: list[int], kv: DocKV) -> dict[str, torch.Tensor]:
+    def __call__(self, cache, ids: list[int], kv: DocKV) -> dict[str, torch.Tensor]:
         length = kv.length
         n_sinks = min(self.sinks, length)
         k = budget_for(self.ratio, length)
         if n_sinks + k >= length:
             return {"anchors": torch.arange(length, dtype=torch.int32)}
-        scores = self.token_scores(engine, ids, kv)
+        scores = self.token_scores(cache, ids, kv)
         rest = torch.arange(n_sinks, length)
         top = topk_positions(scores[n_sinks:], rest, k)
         anchors = torch.cat([torch.arange(n_sinks), top])
         return {"anchors": torch.sort(anchors).values.to(torch.int32)}
 
-    def token_scores(self, engine, ids: list[int], kv: DocKV) -> torch.Tensor:
+    def token_scores(self, cache, ids: list[int], kv: DocKV) -> torch.Tensor:
         """[L] attention each document token receives from the sampled rows (mean over critical layers)."""
-        prefix = engine.prompts.prefix_ids
-        p, length = len(prefix), kv.length
+        cache = getattr(cache, "doc_cache", cache)  # an engine: its DocumentCache
+        p, length = len(cache.prompts.prefix_ids), kv.length
         sampled = set(range(0, length, self.stride)) | {length - 1}
-        segs = [Segment(0, p, engine._prefix_kv(), selectable=False)]
-        j = 0
+        pieces, j = [], 0  # the document after the prefix: sampled rows computed, the runs between them cached
         while j < length:
             if j in sampled:
-                segs.append(Segment(p + j, p + j + 1, None))
+                pieces.append((ids[j:j + 1], None))
                 j += 1
                 continue
             e = j
             while e < length and e not in sampled:
                 e += 1
-            segs.append(Segment(p + j, p + e, DocKV(kv.k[:, j:e], kv.v[:, j:e])))
+            pieces.append((ids[j:e], DocKV(kv.k[:, j:e], kv.v[:, j:e])))
             j = e
-        layers = critical_layers_for(engine)
-        full = torch.tensor(list(prefix) + list(ids), dtype=torch.long)
-        ctx, _ = select_only(engine.runner, full, segs, _RowProbe(layers), 0.0)
+        full, segs = cache.after_prefix(pieces)  # [P + L] ids
+        layers = critical_layers_for(cache)
+        ctx, _ = select_only(cache.runner, full, segs, _RowProbe(layers), 0.0)
         rows = ctx.question.cpu()
         total = torch.zeros(length, dtype=torch.float32)
         for layer in layers:
@@ -282,5 +234,5 @@ class AnchorProfiler:
 
 
 def default_doc_profilers() -> dict:
-    """The document profilers an engine starts with: extras name -> callable(engine, ids, kv) -> extras."""
+    """The document profilers a DocumentCache starts with: extras name -> callable(cache, ids, kv) -> extras."""
     return {AnchorProfiler.name: AnchorProfiler()}

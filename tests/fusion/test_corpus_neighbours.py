@@ -88,7 +88,7 @@ def test_variant_is_the_document_prefilled_after_its_neighbours(fusion_engine):
     assert n == len(ctx) + len(ids)
     torch.testing.assert_close(kv.k, ref.k, rtol=0, atol=1e-5)
     torch.testing.assert_close(kv.v, ref.v, rtol=0, atol=1e-5)
-    plain = e._doc_kvs([d])[0][0][1]
+    plain = e.doc_cache.kvs([d])[0][0][1]
     assert (plain.k - kv.k).abs().max() > 1e-3  # the neighbours changed the cache
 
 

@@ -36,14 +36,14 @@ def forbid_model_work(monkeypatch, engine) -> None:
     monkeypatch.setattr(engine.runner, "prefill", fail)
     monkeypatch.setattr(engine.decoding, "step", fail)
     monkeypatch.setattr(engine.decoding, "extend", fail)
-    monkeypatch.setattr(engine, "_compute_doc", fail)
+    monkeypatch.setattr(engine.doc_cache, "compute", fail)
 
 
 def assert_nothing_stored(engine, docs) -> None:
     stats = engine.cache_stats()
     assert stats["hits"] == stats["misses"] == stats["stale"] == 0, stats
     assert stats["memory_entries"] == 0, stats
-    assert not engine.store.peek(engine._prefix_key)
+    assert not engine.store.peek(engine.doc_cache.prefix_key)
     for d in docs:
         ids = engine.prompts.encode_document(Document(*d))
         assert not engine.store.peek(content_key(engine.namespace, engine.prompts.prefix_ids, ids)), d[0]
