@@ -114,7 +114,7 @@ def test_bad_arguments(tiny_engine):
         chat.invoke("a?", model="another-model")
     with pytest.raises(TypeError, match="unexpected keyword"):
         chat.invoke("a?", documnets=DOCS)
-    with pytest.raises(ValueError, match="engine= or model="):
+    with pytest.raises(ValueError, match="engine=, model= or base_url="):
         ChatKVFuse()
 
 
