@@ -3,8 +3,9 @@
 One thread computes. Each iteration it admits waiting requests (fused prefill and first token each) until the
 tokens they computed reach `prefill_tokens_per_step` (at least one request), then runs ONE batched decode step
 for every running request: prefills interleave with decode under a per-step token budget, so a burst of arrivals
-delays the others' next token by about one budget, and a request joins or leaves the batch between any two steps. Everything else that needs
-the model (precompute, forget, teacher-forced scoring) takes the engine between iterations (`exclusive`).
+delays the others' next token by about one budget, and a request joins or leaves the batch between any two
+steps. Everything else that needs the model (precompute, forget, teacher-forced scoring) takes the engine between
+iterations (`exclusive`).
 
 Admission: at most `max_batch_size` requests decode at once; a request waits (in a queue of at most
 `max_queued_requests`; beyond it `submit` raises EngineOverloaded) until a slot and `n + max_new` arena rows are
@@ -252,9 +253,9 @@ class Scheduler:
             return {"running": len(self.running), "queued": len(self.waiting), "batch_size": self.last_batch,
                     "peak_batch_size": self.peak_batch, "decode_steps": self.steps, "requests_done": self.done}
 
-    def shutdown(self, timeout: float | None = None) -> None:
+    def shutdown(self, timeout: float | None = None, join_s: float = 60.0) -> None:
         """Stops admitting; waits up to `timeout` seconds (None: forever) for queued and running requests to
-        finish, then cancels what is left and stops the thread."""
+        finish, then cancels what is left (it ends at the next step) and waits up to `join_s` for the thread."""
         with self._cond:
             self._closing = True
             self._cond.notify_all()
@@ -270,8 +271,9 @@ class Scheduler:
                     continue
                 self._cond.wait(0.05 if left is None else min(left, 0.05))
             self._cond.notify_all()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=5)
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=join_s)
 
     # -- the scheduler thread -------------------------------------------------------------------------------------
     def _loop(self) -> None:

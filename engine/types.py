@@ -217,9 +217,9 @@ class GenerationStream:
         kind, value = self._queue.get()
         if kind == _DELTA:
             return value
-        self._done = self._finished = True
+        self._done = True
+        _settle(self, kind, value)
         if kind == _DONE:
-            self.result = value
             raise StopIteration
         raise value
 
@@ -236,11 +236,7 @@ class GenerationStream:
             self._done = True
             started = self._started
         while started and not self._finished:
-            kind, value = self._queue.get()
-            if kind != _DELTA:
-                self._finished = True
-                if kind == _DONE and self.result is None:
-                    self.result = value
+            _settle(self, *self._queue.get())
 
 
 class EngineOverloaded(RuntimeError):
@@ -297,9 +293,9 @@ class AsyncGenerationStream:
         kind, value = await self._queue.get()
         if kind == _DELTA:
             return value
-        self._done = self._finished = True
+        self._done = True
+        _settle(self, kind, value)
         if kind == _DONE:
-            self.result = value
             raise StopAsyncIteration
         raise value
 
@@ -308,8 +304,13 @@ class AsyncGenerationStream:
         self.cancel.set()
         self._done = True
         while self._started and not self._finished:
-            kind, value = await self._queue.get()
-            if kind != _DELTA:
-                self._finished = True
-                if kind == _DONE and self.result is None:
-                    self.result = value
+            _settle(self, *await self._queue.get())
+
+
+def _settle(stream: Any, kind: str, value: Any) -> None:
+    """Records the end of a stream's request (DONE: its result; ERROR: nothing); deltas are ignored."""
+    if kind == _DELTA:
+        return
+    stream._finished = True
+    if kind == _DONE and stream.result is None:
+        stream.result = value

@@ -628,11 +628,15 @@ class ChatKVFuse(BaseChatModel):
             if run_manager:
                 run_manager.on_llm_new_token(delta, chunk=chunk)
             yield chunk
-        self._warn_if_unfused(call, stream.result)
-        usage, meta = self._metadata(stream.result, seed)
-        yield ChatGenerationChunk(message=AIMessageChunk(content="", usage_metadata=usage, response_metadata=meta,
-                                                         chunk_position="last"),
-                                  generation_info={"finish_reason": meta["finish_reason"]})
+        yield self._last_chunk(call, stream.result, seed)
+
+    def _last_chunk(self, call, result, seed) -> ChatGenerationChunk:
+        """The stream's closing chunk: usage and response metadata of the finished request."""
+        self._warn_if_unfused(call, result)
+        usage, meta = self._metadata(result, seed)
+        return ChatGenerationChunk(message=AIMessageChunk(content="", usage_metadata=usage, response_metadata=meta,
+                                                          chunk_position="last"),
+                                   generation_info={"finish_reason": meta["finish_reason"]})
 
     async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                        run_manager: AsyncCallbackManagerForLLMRun | None = None,
@@ -652,11 +656,7 @@ class ChatKVFuse(BaseChatModel):
                 if run_manager:
                     await run_manager.on_llm_new_token(delta, chunk=chunk)
                 yield chunk
-        self._warn_if_unfused(call, stream.result)
-        usage, meta = self._metadata(stream.result, seed)
-        yield ChatGenerationChunk(message=AIMessageChunk(content="", usage_metadata=usage, response_metadata=meta,
-                                                         chunk_position="last"),
-                                  generation_info={"finish_reason": meta["finish_reason"]})
+        yield self._last_chunk(call, stream.result, seed)
 
     # --- structured output ------------------------------------------------------------------------------
 
