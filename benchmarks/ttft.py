@@ -1,9 +1,10 @@
 """TTFT benchmark: Hugging Face transformers SDPA full prefill vs kvfuse's strategies, side by side in one run.
 
-Random bf16 weights at real shapes (timing does not depend on weight values). The prompt is
-`[prefix 32][doc 512] x n [question 64]` built from random token ids; documents are precomputed first, then
-every row is timed from the call with token ids to the first token's logits (lookup, selection included),
-median of `--reps` after `--warmup` runs. Caches GPU-resident (one pool, used in place) and CPU-resident
+Random bf16 weights at real shapes (timing does not depend on weight values). Two layouts per row:
+"first-sight" (the headline: every timed request brings a new random layout, 128-1024-token documents of random
+count filling the context, precomputed untimed, as RAG requests do) and "repeated" (`[prefix][doc 512] x n
+[question 64]`, the same request every time, so CUDA graphs replay it). Every row is timed from the call with
+token ids to the first token's logits (lookup, selection included), median of `--reps` after `--warmup` runs. Caches GPU-resident (one pool, used in place) and CPU-resident
 (pinned host memory, streamed layer by layer).
 
 Prints a table (with the ratio HF/kvfuse and each row's arithmetic floor) and writes CSV.
@@ -99,6 +100,25 @@ def request(engine, n_ctx: int, doc_tokens: int, q_tokens: int, vocab: int, seed
     return question_ids, docs
 
 
+def random_layout(engine, n_ctx: int, q_tokens: int, vocab: int, seed: int):
+    """A never-seen layout of about n_ctx tokens: documents of random lengths (128-1024 tokens) and count, as
+    token ids; returns (question_ids, docs)."""
+    from kvfuse import Document
+
+    g = torch.Generator().manual_seed(10_000 + seed)
+    room = n_ctx - q_tokens - len(engine.prompts.prefix_ids)
+    docs, used = [], 0
+    while used < room:
+        n = int(torch.randint(128, 1025, (1,), generator=g))
+        n = min(n, room - used)
+        if n < 32 and docs:
+            break
+        docs.append(Document(f"fs{seed}-d{len(docs)}",
+                             token_ids=torch.randint(100, vocab - 100, (n,), generator=g).tolist()))
+        used += n
+    return torch.randint(100, vocab - 100, (q_tokens,), generator=g).tolist(), docs
+
+
 def time_call(fn, reps: int, warmup: int) -> float:
     for _ in range(warmup):
         fn()
@@ -163,6 +183,9 @@ def main() -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default="ttft.csv")
     ap.add_argument("--cuda-graphs", type=int, default=1, help="1: repeated prefills replay CUDA graphs")
+    ap.add_argument("--layouts", default="first-sight,repeated",
+                    help="first-sight: every timed request a new random layout (document count and lengths; its "
+                         "documents precomputed, untimed); repeated: the same request every time (graph replay)")
     args = ap.parse_args()
 
     import transformers
@@ -216,12 +239,17 @@ def main() -> int:
                 engine.precompute(docs)
                 names = strategies if tier == "pool" else [s for s in args.host_strategies.split(",")
                                                              if s in available()]
-                for name in names:
+                for name, layout in [(s_, lay) for s_ in names for lay in args.layouts.split(",")]:
                     ratio = args.ratio
+                    fresh = iter(range(1_000_000))
 
-                    def call(name=name, ratio=ratio):
+                    def call(name=name, ratio=ratio, layout=layout):
+                        qi, ds = q, docs
+                        if layout == "first-sight":
+                            qi, ds = random_layout(engine, n, args.question_tokens, vocab, next(fresh))
+                            engine.precompute(ds)  # cached, untimed: the layout is what is new
                         sync()
-                        r = engine.generate(question_ids=q, docs=docs, strategy=name, recompute_ratio=ratio,
+                        r = engine.generate(question_ids=qi, docs=ds, strategy=name, recompute_ratio=ratio,
                                             max_new_tokens=1)
                         call.last = r
                         return r.ttft_s
@@ -230,13 +258,13 @@ def main() -> int:
                     r = call.last
                     fl = floors(model, r.prompt_tokens, r.recomputed_tokens, r.question_tokens, tflops, gbs)
                     floor = fl["full"] if name == "full" else fl["reuse"] if name == "reuse" else fl["fused"]
-                    label = name if name in ("full", "reuse") else f"{name}@{ratio:.0%}"
+                    label = (name if name in ("full", "reuse") else f"{name}@{ratio:.0%}") + f" {layout}"
                     rows.append({**base, "row": f"kvfuse {label}", "tier": tier, "ttft_ms": t * 1e3,
                                  "vs_hf": hf / t, "floor_ms": floor, "measured_over_floor": t * 1e3 / floor,
                                  "selection_ms": r.selection_s * 1e3,
                                  "selection_share": r.selection_s / t, "recomputed": r.recomputed_tokens,
                                  "doc_tokens": r.doc_tokens, "hits": r.cache_hits, "misses": r.cache_misses})
-                    print(f"{shape} {n:6d}  kvfuse {label:<18} {tier:<4}  {t * 1e3:8.2f} ms  x{hf / t:6.2f} vs HF  "
+                    print(f"{shape} {n:6d}  kvfuse {label:<30} {tier:<4}  {t * 1e3:8.2f} ms  x{hf / t:6.2f} vs HF  "
                           f"floor {floor:7.2f} ms  sel {r.selection_s * 1e3:6.2f} ms  "
                           f"recomputed {r.recomputed_tokens}/{r.doc_tokens}", flush=True)
                 engine.close()
