@@ -27,6 +27,7 @@ from ..kernels.rope import apply_rope
 from ..kernels.scatter import scatter_rows
 from .fusion.base import SelectContext, Strategy
 from .models.base import Decoder
+from .piecewise import DenseGraphs
 from .sources import PooledSource, make_source, pool_rows
 from .store.entry import DocKV
 
@@ -131,6 +132,8 @@ class Runner:
         self._cos = self._sin = None
         self._retired: list = []
         self.graphs = _GraphCache(self) if cuda_graphs and decoder.device.type == "cuda" else None
+        # first-sight layouts: each layer's dense pieces replayed from graphs per row bucket (engine/piecewise.py)
+        self.dense = DenseGraphs(decoder) if self.graphs is not None else None
 
     # -- helpers ---------------------------------------------------------------------------------------
     def rope(self, n: int) -> tuple[Tensor, Tensor]:
@@ -259,6 +262,9 @@ class Runner:
         the probed rows attend to, so their states come from a compressed view.
         """
         dec, spec = self.dec, self.spec
+        pieces = self.dense if self.dense is not None and not self.dense.suspended else None
+        project, finish = (pieces.project, pieces.finish) if pieces is not None else (dec.project, dec.finish)
+        own = (lambda t: t.clone()) if pieces is not None else (lambda t: t)  # graph outputs are reused buffers
         n = int(ids.numel())
         dev = ids.device
         check = set(strategy.check_layers(spec.n_layers)) if (cached and not probe_layers) else set()
@@ -275,18 +281,18 @@ class Runner:
         per_active = rope_active = None
         for i in range(last_layer + 1):
             if plain:
-                q, k, v = dec.project(i, h)
+                q, k, v = project(i, h)
                 if keep:
-                    fresh.append((active, k, v))
+                    fresh.append((active, own(k), own(v)))
                 if capture is not None:
                     cap_k.append(k[capture[0]:capture[1]].clone())
                     cap_v.append(v[capture[0]:capture[1]].clone())
                 c, s_ = cos[:n], sin[:n]
-                h = dec.finish(i, h, causal_attention(apply_rope(q, c, s_), apply_rope(k, c, s_), v, spec.scale))
+                h = finish(i, h, causal_attention(apply_rope(q, c, s_), apply_rope(k, c, s_), v, spec.scale))
                 continue
             kpool, vpool = src.layer(i)
             src.prefetch(i + 1, last_layer + 1)
-            q, k, v = dec.project(i, h)
+            q, k, v = project(i, h)
             if i in check:
                 clock.start()
                 doc_rows = torch.searchsorted(active, active_docs)  # their rows among the active ones
@@ -313,7 +319,7 @@ class Runner:
             scatter_rows(kpool, scratch, k)
             scatter_rows(vpool, scratch, v)
             if keep:
-                fresh.append((active, k, v))
+                fresh.append((active, own(k), own(v)))
             if capture is not None:
                 lo = int(torch.searchsorted(active, capture[0]))
                 hi = int(torch.searchsorted(active, capture[1]))
@@ -333,7 +339,7 @@ class Runner:
                 full_rows[active] = src.scratch_rows[active]
                 probes[i] = attention_scores(qr, active, kpool, full_rows, kv_pos, cos, sin, spec.scale)
             o = fused_attention(qr, active, kpool, vpool, rows, pos_all, cos, sin, spec.scale)
-            h = dec.finish(i, h, o)
+            h = finish(i, h, o)
             src.done_with(i)
         captured = DocKV(torch.stack(cap_k), torch.stack(cap_v)) if capture is not None else None
         return Runner._Run(h=h, active=active, active_docs=active_docs, captured=captured, probes=probes,
@@ -394,14 +400,20 @@ class _GraphCache:
             pool = plan.cached[0].kv.pool
             scratch = torch.arange(pool.scratch_start, pool.scratch_start + plan.n, device=dev)
             source = PooledSource.from_rows(pool, _plan_rows(plan, pool).to(dev), scratch)
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):  # warm-up: allocator, cuBLAS workspaces, Triton compilation
-            r._device_prefill(plan, static_ids, cand, must, strategy, ratio, _NullClock(), source)
-        torch.cuda.current_stream(dev).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = r._device_prefill(plan, static_ids, cand, must, strategy, ratio, _NullClock(), source)
+        if r.dense is not None:
+            r.dense.suspended += 1  # the whole prefill is captured: its dense pieces run eagerly inside
+        try:
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):  # warm-up: allocator, cuBLAS workspaces, Triton compilation
+                r._device_prefill(plan, static_ids, cand, must, strategy, ratio, _NullClock(), source)
+            torch.cuda.current_stream(dev).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = r._device_prefill(plan, static_ids, cand, must, strategy, ratio, _NullClock(), source)
+        finally:
+            if r.dense is not None:
+                r.dense.suspended -= 1
         # every tensor the graph reads must outlive it: the candidate and question index sets are kept too
         return graph, static_ids, source, out, (cand, must)
 
