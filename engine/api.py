@@ -84,7 +84,8 @@ class FusionEngine:
         self.model_name = model_name or getattr(hf_model.config, "_name_or_path", "") or self.decoder.spec.family
         self.device = self.decoder.device
         self.dtype = self.decoder.dtype
-        self.runner = Runner(self.decoder, cuda_graphs=self.config.cuda_graphs)
+        self.runner = Runner(self.decoder, cuda_graphs=self.config.cuda_graphs,
+                             piecewise_graphs=self.config.piecewise_graphs)
         self.prompts = PromptBuilder(tokenizer, self.config.prompt)
         self.namespace = Namespace(
             model=model_fingerprint or fingerprint_tensors(hf_model.state_dict().items()),

@@ -54,6 +54,9 @@ class EngineConfig:
         scratch_tokens: rows of the pool reserved for one request's recomputed tokens (0: the context window,
             capped at 32768).
         cuda_graphs: on CUDA, replay repeated prefill signatures and every decode step from CUDA graphs.
+        piecewise_graphs: with cuda_graphs, also replay each layer's dense pieces of a never-seen layout from
+            graphs per row bucket (engine/piecewise.py). Experimental, off by default: padded shapes change the
+            GEMMs' rounding, so a first-sight request's tokens can differ from its repeated (whole-graph) replay.
         id_index_bytes: bound of the in-memory document-id -> content-key index (least recently used ids are
             forgotten beyond it; a forgotten id only loses its stale count).
         cache_secret: signs disk cache entries with HMAC-SHA256 and serves only entries signed with it, so a
@@ -80,6 +83,7 @@ class EngineConfig:
     kv_tier: str = "auto"
     scratch_tokens: int = 0
     cuda_graphs: bool = True
+    piecewise_graphs: bool = False
     id_index_bytes: int = 16 << 20
     disk_retry_s: float = 60.0
     cache_secret: str | bytes | None = None

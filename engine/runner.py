@@ -126,14 +126,14 @@ class Runner:
         decoder: the model, seen through its per-layer seam.
     """
 
-    def __init__(self, decoder: Decoder, cuda_graphs: bool = True) -> None:
+    def __init__(self, decoder: Decoder, cuda_graphs: bool = True, piecewise_graphs: bool = False) -> None:
         self.dec = decoder
         self.spec = decoder.spec
         self._cos = self._sin = None
         self._retired: list = []
         self.graphs = _GraphCache(self) if cuda_graphs and decoder.device.type == "cuda" else None
         # first-sight layouts: each layer's dense pieces replayed from graphs per row bucket (engine/piecewise.py)
-        self.dense = DenseGraphs(decoder) if self.graphs is not None else None
+        self.dense = DenseGraphs(decoder) if self.graphs is not None and piecewise_graphs else None
 
     # -- helpers ---------------------------------------------------------------------------------------
     def rope(self, n: int) -> tuple[Tensor, Tensor]:
