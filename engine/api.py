@@ -116,7 +116,7 @@ class FusionEngine:
             dtype: "bf16" (default), "fp16", "fp32".
             cache_dir: where converted weights and (with `disk_cache`) document caches live.
             disk_cache: keep document caches on disk under cache_dir/kv (shared across processes).
-            **config: EngineConfig fields (memory_budget_bytes, prompt, ...).
+            **config: EngineConfig fields (memory_budget_bytes, prompt, redis_url, ...).
         """
         from .weights import default_cache_dir, load_model
 
@@ -380,7 +380,9 @@ class FusionEngine:
     def cache_stats(self) -> dict[str, int]:
         """Store counters: hits, misses, stale, disk_hits, corrupt (bad disk rows dropped), evictions, memory_bytes,
         memory_entries, disk_errors (failed disk operations, served from memory or recomputed instead),
-        disk_degraded (1 while the disk tier is paused after a failure), id_index_bytes."""
+        disk_degraded (1 while the disk tier is paused after a failure), id_index_bytes, and for the shared Redis
+        tier (`redis_url`): redis_hits, redis_errors (failed or timed-out operations, served locally or
+        recomputed instead), redis_degraded (1 while it is paused after a failure). corrupt counts both tiers."""
         return self.doc_cache.stats()
 
     def layout(self, question: str | None = None, docs: Iterable[Any] = (), *,

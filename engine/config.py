@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from .prompt import PromptFormat
-from .validate import check_dir_path
+from .validate import check_dir_path, check_redis_url
 
 __all__ = ["EngineConfig", "resolve_device", "resolve_dtype"]
 
@@ -74,6 +74,16 @@ class EngineConfig:
             documents' memory budget (0: twice the context window, capped at 2 x 32768). With the pool tier they are
             rows of the same pool (a document's rows are read in place, never copied; requests may also take rows
             of evicted documents); with the host tier, a decode arena of their own on the compute device.
+        redis_url: a Redis server shared by several engines (machines) as a third cache tier behind memory and
+            disk: redis://[:password@]host:port/db, rediss://... (TLS) or unix:///socket. None: no shared tier.
+            Needs the `redis` extra. Entries are signed with `cache_secret` when set (recommended on a shared
+            server).
+        redis_budget_bytes: bytes of entries this model's namespace keeps in Redis; least recently used entries
+            of the namespace are deleted beyond it.
+        redis_timeout_s: connect and reply timeout of each Redis operation; a slower answer is a local miss.
+        redis_retry_s: after a Redis failure (down, refusing, timing out), the tier is skipped for this many seconds
+            before it is tried again.
+        redis_ttl_s: Redis entries expire this long after their last use (0: never; the budget still bounds them).
     """
 
     memory_budget_bytes: int = 4 << 30
@@ -91,6 +101,11 @@ class EngineConfig:
     max_queued_requests: int = 1024
     prefill_tokens_per_step: int = 4096
     decode_tokens: int = 0
+    redis_url: str | None = None
+    redis_budget_bytes: int = 8 << 30
+    redis_timeout_s: float = 0.1
+    redis_retry_s: float = 30.0
+    redis_ttl_s: float = 7 * 86400.0
 
     def cache_secret_bytes(self) -> bytes | None:
         """The disk cache's signing secret: `cache_secret`, else $KVFUSE_CACHE_SECRET, else None (unsigned)."""
@@ -110,5 +125,13 @@ class EngineConfig:
                              "decode_tokens >= 0")
         if not self.disk_retry_s >= 0:
             raise ValueError(f"disk_retry_s must be >= 0 seconds, got {self.disk_retry_s}")
+        if self.redis_url is not None:
+            check_redis_url(self.redis_url, "redis_url")
+        if self.redis_budget_bytes < 0:
+            raise ValueError(f"redis_budget_bytes must be >= 0 bytes, got {self.redis_budget_bytes}")
+        if not 0 < self.redis_timeout_s <= 60:
+            raise ValueError(f"redis_timeout_s must be in (0, 60] seconds, got {self.redis_timeout_s}")
+        if not self.redis_retry_s >= 0 or not self.redis_ttl_s >= 0:
+            raise ValueError("redis_retry_s and redis_ttl_s must be >= 0 seconds")
         if self.disk_cache_dir is not None:
             object.__setattr__(self, "disk_cache_dir", check_dir_path(self.disk_cache_dir, "disk_cache_dir"))

@@ -1,6 +1,7 @@
 """The document-cache service: every document's K/V cache, computed once after the prompt prefix, then served.
 
-A `DocumentCache` owns the `DocStore` (memory tier, optional disk tier) and the per-document work around it:
+A `DocumentCache` owns the `DocStore` (memory tier, optional disk tier, optional shared Redis tier) and the
+per-document work around it:
 
 - `compute(ids, context)`: the one "prefill after the prefix and keep the document's rows" helper; stores
   nothing. `after_prefix(pieces)` lays out such a prompt for other passes over it (e.g. the anchor profiler).
@@ -206,10 +207,18 @@ class DocumentCache:
             pool = KVPool(spec.n_layers, spec.n_kv_heads, spec.head_dim,
                           max(1, cfg.memory_budget_bytes // row_bytes) + decode_rows(cfg, self.context_window),
                           scratch, self.dtype, self.device)
+        remote = None
+        if cfg.redis_url is not None:
+            from .store.redis_tier import RedisTier
+
+            # one namespace per model, tokenizer, dtype and layout: other models' entries are never seen
+            remote = RedisTier(cfg.redis_url, self.namespace.digest[:32], cfg.redis_budget_bytes,
+                               timeout_s=cfg.redis_timeout_s, retry_s=cfg.redis_retry_s, ttl_s=cfg.redis_ttl_s,
+                               secret=cfg.cache_secret_bytes(), id_scope=self.prefix_key[:32])
         return DocStore(cfg.memory_budget_bytes, cfg.disk_cache_dir, cfg.disk_budget_bytes, device=self.device,
                         pool=pool, pin=tier == "host" and self.device.type == "cuda", id_scope=self.prefix_key[:32],
                         id_index_bytes=cfg.id_index_bytes, disk_retry_s=cfg.disk_retry_s,
-                        validate=self._validate_entry, disk_secret=cfg.cache_secret_bytes())
+                        validate=self._validate_entry, disk_secret=cfg.cache_secret_bytes(), remote=remote)
 
     def _validate_entry(self, kv: DocKV, length: int | None) -> None:
         """Raises CorruptEntry when an entry read from disk can't be this model's cache of `length` tokens

@@ -12,7 +12,7 @@ from typing import Any
 
 __all__ = ["lone_surrogate", "check_text", "check_int", "check_real", "check_bool", "check_seed", "check_stop",
            "check_token_ids", "check_doc_id", "check_dir_path",
-           "check_strategy"]
+           "check_redis_url", "check_strategy"]
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _SEED_RANGE = (-(1 << 63), 1 << 64)  # what torch.Generator.manual_seed accepts: [-2**63, 2**64)
@@ -140,6 +140,26 @@ def check_doc_id(value: Any, what: str) -> str:
     if not isinstance(value, str):
         raise ValueError(f"{what} must be a string or an int, got {type(value).__name__} {value!r}")
     return value
+
+
+def check_redis_url(url: Any, what: str) -> str:
+    """A Redis server URL (redis://host:port/db, rediss://..., unix:///path); the server is not contacted."""
+    from urllib.parse import urlsplit
+
+    if not isinstance(url, str) or not url.strip():
+        raise ValueError(f"{what} must be a non-empty string, got {url!r}")
+    try:
+        parts = urlsplit(url)
+        _ = parts.port  # a port that is not a number raises here
+    except ValueError:
+        raise ValueError(f"{what} is not a URL (redis://host:port/db, rediss://host:port/db, unix:///path)") from None
+    if parts.scheme not in ("redis", "rediss", "unix"):
+        raise ValueError(f"{what} must start with redis://, rediss:// or unix://, got {parts.scheme or 'no'} scheme")
+    if parts.scheme != "unix" and not parts.hostname:
+        raise ValueError(f"{what} names no host (redis://host:port/db)")
+    if parts.scheme == "unix" and not parts.path:
+        raise ValueError(f"{what} names no socket (unix:///path/to/socket)")
+    return url
 
 
 def check_dir_path(path: Any, what: str):

@@ -29,8 +29,13 @@ def _engine(args):
         import torch
 
         torch.set_num_threads(threads)
+    extra = {}
+    redis_url = getattr(args, "redis_url", None)
+    if redis_url:
+        extra["redis_url"] = redis_url
     return FusionEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype,
-                                        cache_dir=args.cache_dir, disk_cache=not getattr(args, "no_disk_cache", False))
+                                        cache_dir=args.cache_dir, disk_cache=not getattr(args, "no_disk_cache", False),
+                                        **extra)
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -44,6 +49,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-dir", default=None, help="converted weights and document caches "
                                                      "(default: $KVFUSE_CACHE_DIR or ~/.cache/kvfuse)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+    p.add_argument("--redis-url", default=os.environ.get("KVFUSE_REDIS_URL") or None,
+                   help="a Redis server shared by several engines as a cache tier behind memory and disk, e.g. "
+                        "redis://host:6379/0 (default: $KVFUSE_REDIS_URL, else none; needs the redis extra)")
 
 
 def _add_gen_args(p: argparse.ArgumentParser) -> None:
@@ -174,6 +182,11 @@ def _check_model_args(args) -> None:
     threads = getattr(args, "threads", None)
     if threads is not None and threads < 1:
         raise CliError(f"--threads must be >= 1, got {threads}")
+    redis_url = getattr(args, "redis_url", None)
+    if redis_url:
+        from kvfuse.engine.validate import check_redis_url
+
+        check_redis_url(redis_url, "--redis-url")
 
 
 def _check_gen_args(args) -> None:
@@ -223,8 +236,15 @@ def cmd_precompute(args) -> int:
     progress = _stderr_is_tty() if progress is None else progress
     rep = engine.precompute(docs, show_progress=progress)
     print(f"{len(docs)} documents: {rep.misses} computed ({rep.tokens} tokens), {rep.hits} already cached; "
-          f"{rep.seconds:.2f} s; cache at {engine.config.disk_cache_dir}")
+          f"{rep.seconds:.2f} s; cache at {engine.config.disk_cache_dir}"
+          + (f" and {_redacted(engine.config.redis_url)}" if engine.config.redis_url else ""))
     return 0
+
+
+def _redacted(url: str) -> str:
+    from kvfuse.engine.store.redis_tier import redact_url
+
+    return redact_url(url)
 
 
 def _stderr_is_tty() -> bool:

@@ -326,8 +326,9 @@ class DiskTier:
             self._drop(name)
             return None
 
-    def put(self, key: str, kv: DocKV) -> bool:
-        return self._set(_KV_PREFIX + key, encode_entry(key, kv, self.secret))
+    def put(self, key: str, kv: DocKV, blob: bytes | None = None) -> bool:
+        """Stores an entry; `blob`: its `encode_entry` bytes when already made with this tier's secret."""
+        return self._set(_KV_PREFIX + key, blob if blob is not None else encode_entry(key, kv, self.secret))
 
     def _set(self, name: str, blob: bytes) -> bool:
         disk: RawBytesDisk | None = self._cache._disk if self._cache is not None else None

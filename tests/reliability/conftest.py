@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 
 import pytest
+from redis_server import RedisServer, why_no_redis
 from reliability_fs import CASE_OF_FILE, COLUMNS, TABLE, row, tmpfs
 
 
@@ -19,6 +20,43 @@ def mount_tmpfs(tmp_path):
         def factory(size: str = "1m", name: str = "fs") -> Path:
             return stack.enter_context(tmpfs(tmp_path / name, size))
         yield factory
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    """A real redis-server for the session (a free localhost port, nothing persisted); skips, naming why, when
+    none can be started here."""
+    reason = why_no_redis()
+    if reason:
+        pytest.skip(reason)
+    try:
+        server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    except (OSError, RuntimeError) as e:
+        pytest.skip(f"redis-server could not be started: {e}")
+    yield server
+    server.kill()
+
+
+@pytest.fixture
+def redis_url(redis_server):
+    """The session server's URL, emptied for this test."""
+    redis_server.flush()
+    return redis_server.url
+
+
+@pytest.fixture
+def own_redis(tmp_path):
+    """A redis-server of this test's own (to kill, restart or pause); skips, naming why, when none can start."""
+    reason = why_no_redis()
+    if reason:
+        pytest.skip(reason)
+    server = RedisServer(tmp_path / "redis")
+    try:
+        server.start()
+    except (OSError, RuntimeError) as e:
+        pytest.skip(f"redis-server could not be started: {e}")
+    yield server
+    server.kill()
 
 
 # -- the fault table -------------------------------------------------------------------------------------------

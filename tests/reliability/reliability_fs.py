@@ -54,6 +54,7 @@ CASE_OF_FILE = {
     "test_window.py": "over-window documents and prompts",
     "test_streams.py": "threads, processes, abandoned and slow streams",
     "test_churn.py": "memory budgets under churn",
+    "test_redis_tier.py": "shared Redis tier: planted, corrupt, down, hung, over budget",
 }
 TABLE: dict[str, dict[str, int]] = {}
 
