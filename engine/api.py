@@ -5,7 +5,7 @@ import contextlib
 import dataclasses
 import re
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -28,8 +28,7 @@ from .sampler import Sampler
 from .tracing import set_attributes, span
 from .store import DocKV, Namespace, fingerprint_tensors
 from .store.pool import KVPool
-from .types import (AsyncGenerationStream, Document, EngineOverloaded, GenerationResult, GenerationStream,
-                    PrecomputeReport, as_documents)
+from .types import AsyncGenerationStream, Document, GenerationResult, GenerationStream, PrecomputeReport, as_documents
 from .validate import check_int, check_real, check_strategy, check_text, check_token_ids
 
 __all__ = ["FusionEngine", "DEFAULT_MODEL"]

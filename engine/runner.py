@@ -201,7 +201,7 @@ class Runner:
                         ratio: float, clock, source=None) -> PrefillOutput:
         """Everything after the host bookkeeping: device tensors in, logits out, no host synchronisation (so a
         CUDA graph can capture it)."""
-        n, cached = plan.n, plan.cached
+        cached = plan.cached
         cos, sin = self._cos, self._sin
         ctx = SelectContext(n_layers=self.spec.n_layers, ratio=ratio, candidates=candidates,
                             doc_spans=plan.doc_spans, question=must_pos,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import queue
 import threading
 import weakref
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 

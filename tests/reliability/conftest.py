@@ -7,6 +7,7 @@ Heavy cases carry `@pytest.mark.heavy`: the README's test command skips them; CI
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 
 import pytest
 from redis_server import RedisServer, why_no_redis
@@ -106,3 +107,23 @@ def pytest_terminal_summary(terminalreporter):
     if os.environ.get("KVFUSE_RELIABILITY_TABLE"):
         with open(os.environ["KVFUSE_RELIABILITY_TABLE"], "w", encoding="utf-8") as f:
             json.dump(TABLE, f, indent=1)
+
+
+@pytest.fixture
+def reference(tiny_engine, tally):
+    """`reference(question, docs, result=None)`: the answer of an engine with no disk or Redis tier (tokens and
+    exact log-probabilities), computed once per prompt; with `result`, tallies how it compares."""
+    from reliability_fs import compare
+
+    ref = tiny_engine("llama")
+    cache = {}
+
+    def answer(question, docs, result=None):
+        key = (question, tuple(docs))
+        if key not in cache:
+            cache[key] = ref.generate(question, docs, strategy="reuse", max_new_tokens=4, return_logprobs=True)
+        if result is not None:
+            tally(None, 1, *compare(result, cache[key]))
+        return cache[key]
+
+    return answer

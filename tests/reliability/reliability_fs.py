@@ -62,3 +62,30 @@ TABLE: dict[str, dict[str, int]] = {}
 def row(case: str) -> dict[str, int]:
     """The counters of one case of the fault table."""
     return TABLE.setdefault(case, {"tries": 0, **{c: 0 for c in COLUMNS}})
+
+
+OTHER = [("o1", "The Merrow Bridge spans the river Tal and was finished in 1902 by the engineer Rosa Pell."),
+         ("o2", "Rosa Pell studied at the Carvel Institute and later designed the Dunmore lighthouse."),
+         ("o3", "The Dunmore lighthouse is painted red and white and stands forty metres tall.")]
+OTHER_Q = "Who designed the Dunmore lighthouse?"
+
+
+def store_warnings(caplog) -> list[str]:
+    """Warnings the store logged (`kvfuse.store`)."""
+    import logging
+
+    return [r.getMessage() for r in caplog.records if r.name == "kvfuse.store" and r.levelno >= logging.WARNING]
+
+
+def ask_exact(engine, reference, question=None, docs=None):
+    """Asks `engine` (reuse, 4 tokens, log-probabilities) and asserts its answer is bit-identical to the
+    `reference` fixture's engine (no disk or Redis tier)."""
+    import torch
+    from cases import DOCS, QUESTION
+
+    question, docs = question or QUESTION, docs or DOCS
+    r = engine.generate(question, docs, strategy="reuse", max_new_tokens=4, return_logprobs=True)
+    ref = reference(question, docs, r)
+    assert r.token_ids == ref.token_ids
+    torch.testing.assert_close(r.extra["logprobs"], ref.extra["logprobs"], rtol=0, atol=0)
+    return r

@@ -18,16 +18,12 @@ import time
 import pytest
 import torch
 from cases import DOCS, QUESTION
-from reliability_fs import compare
+from reliability_fs import OTHER, OTHER_Q, ask_exact, store_warnings
 
 from kvfuse.engine.config import EngineConfig
 from kvfuse.engine.store import DocKV, content_key, decode_entry, encode_entry
 from kvfuse.engine.types import Document
 
-OTHER = [("o1", "The Merrow Bridge spans the river Tal and was finished in 1902 by the engineer Rosa Pell."),
-         ("o2", "Rosa Pell studied at the Carvel Institute and later designed the Dunmore lighthouse."),
-         ("o3", "The Dunmore lighthouse is painted red and white and stands forty metres tall.")]
-OTHER_Q = "Who designed the Dunmore lighthouse?"
 
 
 class _Exploit:
@@ -38,35 +34,6 @@ class _Exploit:
 
     def __reduce__(self):
         return (os.mkdir, (self.marker,))
-
-
-def _warnings(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "kvfuse.store" and r.levelno >= logging.WARNING]
-
-
-@pytest.fixture
-def reference(tiny_engine, tally):
-    """Answers of an engine with no Redis tier (tokens and exact log-probabilities)."""
-    ref = tiny_engine("llama")
-    cache = {}
-
-    def answer(question, docs, result=None):
-        key = (question, tuple(docs))
-        if key not in cache:
-            cache[key] = ref.generate(question, docs, strategy="reuse", max_new_tokens=4, return_logprobs=True)
-        if result is not None:
-            tally(None, 1, *compare(result, cache[key]))
-        return cache[key]
-
-    return answer
-
-
-def _ask(engine, reference, question=QUESTION, docs=DOCS):
-    r = engine.generate(question, docs, strategy="reuse", max_new_tokens=4, return_logprobs=True)
-    ref = reference(question, docs, r)
-    assert r.token_ids == ref.token_ids
-    torch.testing.assert_close(r.extra["logprobs"], ref.extra["logprobs"], rtol=0, atol=0)
-    return r
 
 
 def _key(engine, doc) -> str:
@@ -82,26 +49,26 @@ def _entries(server, engine) -> dict[bytes, int]:
 # -- sharing ---------------------------------------------------------------------------------------------------
 def test_entry_of_engine_a_is_served_to_engine_b(tiny_engine, reference, redis_server, redis_url):
     a = tiny_engine("llama", redis_url=redis_url)
-    _ask(a, reference)
+    ask_exact(a, reference)
     assert a.cache_stats()["misses"] == 3 and a.cache_stats()["redis_hits"] == 0
     b = tiny_engine("llama", redis_url=redis_url)  # empty memory, no disk: only Redis has them
-    r = _ask(b, reference)
+    r = ask_exact(b, reference)
     s = b.cache_stats()
     assert s["redis_hits"] == 3 and s["misses"] == 0 and r.cache_hits == 3
     assert s["redis_errors"] == 0 and s["corrupt"] == 0
-    _ask(b, reference)  # now served from memory
+    ask_exact(b, reference)  # now served from memory
     assert b.cache_stats()["redis_hits"] == 3
 
 
 def test_redis_hit_fills_memory_and_disk(tiny_engine, reference, redis_server, redis_url, tmp_path):
     a = tiny_engine("llama", redis_url=redis_url)
-    _ask(a, reference)
+    ask_exact(a, reference)
     b = tiny_engine("llama", redis_url=redis_url, disk_cache_dir=tmp_path / "kv")
-    _ask(b, reference)
+    ask_exact(b, reference)
     assert b.cache_stats()["redis_hits"] == 3
     redis_server.flush()  # Redis forgets everything: the disk tier filled on the way back serves a new engine
     c = tiny_engine("llama", redis_url=redis_url, disk_cache_dir=tmp_path / "kv")
-    _ask(c, reference)
+    ask_exact(c, reference)
     s = c.cache_stats()
     assert s["disk_hits"] == 3 and s["redis_hits"] == 0 and s["misses"] == 0
 
@@ -136,11 +103,11 @@ def test_precompute_in_another_process_then_serve(tiny_model, redis_server, redi
 
 def test_forget_reaches_redis(tiny_engine, reference, redis_server, redis_url):
     a = tiny_engine("llama", redis_url=redis_url)
-    _ask(a, reference)
+    ask_exact(a, reference)
     b = tiny_engine("llama", redis_url=redis_url)  # never saw the ids: learns them from Redis
     assert b.forget(["larkspur"]) == 1
     c = tiny_engine("llama", redis_url=redis_url)
-    _ask(c, reference)
+    ask_exact(c, reference)
     assert c.cache_stats()["redis_hits"] == 2 and c.cache_stats()["misses"] == 1
 
 
@@ -150,7 +117,7 @@ def test_forget_reaches_redis(tiny_engine, reference, redis_server, redis_url):
 def test_bad_entry_is_rejected_deleted_and_recomputed(tiny_engine, reference, redis_server, redis_url, tmp_path,
                                                       kind, tally):
     a = tiny_engine("llama", redis_url=redis_url)
-    _ask(a, reference)
+    ask_exact(a, reference)
     key = _key(a, DOCS[0])
     name = a.store.remote._kv_base + key
     c = redis_server.client()
@@ -174,7 +141,7 @@ def test_bad_entry_is_rejected_deleted_and_recomputed(tiny_engine, reference, re
     else:
         c.set(name, bad)
     b = tiny_engine("llama", redis_url=redis_url)
-    _ask(b, reference)
+    ask_exact(b, reference)
     s = b.cache_stats()
     tally(None, 0, executed=int(marker.exists()))
     assert not marker.exists(), "a pickle from Redis was loaded"
@@ -186,28 +153,28 @@ def test_bad_entry_is_rejected_deleted_and_recomputed(tiny_engine, reference, re
 def test_entries_unsigned_or_signed_with_another_secret_are_refused(tiny_engine, reference, redis_server,
                                                                     redis_url):
     a = tiny_engine("llama", redis_url=redis_url)  # unsigned
-    _ask(a, reference)
+    ask_exact(a, reference)
     b = tiny_engine("llama", redis_url=redis_url, cache_secret="s3cret")
-    _ask(b, reference)
+    ask_exact(b, reference)
     assert b.cache_stats()["corrupt"] == 3 and b.cache_stats()["redis_hits"] == 0
     c = tiny_engine("llama", redis_url=redis_url, cache_secret="other")
-    _ask(c, reference)
+    ask_exact(c, reference)
     assert c.cache_stats()["corrupt"] == 3
     d = tiny_engine("llama", redis_url=redis_url, cache_secret="other")
-    _ask(d, reference)
+    ask_exact(d, reference)
     assert d.cache_stats()["redis_hits"] == 3 and d.cache_stats()["corrupt"] == 0
 
 
 def test_bad_id_row_is_dropped(tiny_engine, reference, redis_server, redis_url):
     a = tiny_engine("llama", redis_url=redis_url)
-    _ask(a, reference)
+    ask_exact(a, reference)
     c = redis_server.client()
     rows = list(c.scan_iter(match=a.store.remote._id_base + "*"))
     assert len(rows) == 3
     for row in rows:
         c.set(row, pickle.dumps({"x": 1}))
     b = tiny_engine("llama", redis_url=redis_url)
-    _ask(b, reference)
+    ask_exact(b, reference)
     assert b.cache_stats()["redis_hits"] == 3 and b.cache_stats()["corrupt"] == 3
     assert all(c.get(row) is None or len(c.get(row)) == 64 for row in rows)
 
@@ -216,26 +183,26 @@ def test_bad_id_row_is_dropped(tiny_engine, reference, redis_server, redis_url):
 def test_killed_redis_is_a_local_miss_then_recovers(tiny_engine, reference, own_redis, caplog):
     url = own_redis.url
     a = tiny_engine("llama", redis_url=url, redis_retry_s=0.5)
-    _ask(a, reference)
+    ask_exact(a, reference)
     own_redis.kill()
     with caplog.at_level(logging.WARNING, logger="kvfuse.store"):
-        _ask(a, reference, OTHER_Q, OTHER)  # misses computed; their writes to Redis fail
+        ask_exact(a, reference, OTHER_Q, OTHER)  # misses computed; their writes to Redis fail
         b = tiny_engine("llama", redis_url=url, redis_retry_s=0.5)
         for _ in range(3):
-            _ask(b, reference)
+            ask_exact(b, reference)
             time.sleep(0.3)
         sa, sb = a.cache_stats(), b.cache_stats()
         assert sa["redis_errors"] >= 1 and sb["redis_errors"] >= 1
         assert sb["misses"] == 3 and sb["redis_hits"] == 0
-        assert len(_warnings(caplog)) == 2  # one per engine (episode)
-        assert all("failed" in w and "trying it again" in w for w in _warnings(caplog))
+        assert len(store_warnings(caplog)) == 2  # one per engine (episode)
+        assert all("failed" in w and "trying it again" in w for w in store_warnings(caplog))
         own_redis.start()  # the same port, empty
         time.sleep(0.6)
-        _ask(b, reference, OTHER_Q, OTHER)  # computed, and stored in Redis again
-        assert any("usable again" in w for w in _warnings(caplog))
+        ask_exact(b, reference, OTHER_Q, OTHER)  # computed, and stored in Redis again
+        assert any("usable again" in w for w in store_warnings(caplog))
     assert b.cache_stats()["redis_degraded"] == 0
     c = tiny_engine("llama", redis_url=url)
-    _ask(c, reference, OTHER_Q, OTHER)
+    ask_exact(c, reference, OTHER_Q, OTHER)
     assert c.cache_stats()["redis_hits"] == 3 and c.cache_stats()["redis_errors"] == 0
 
 
@@ -243,8 +210,8 @@ def test_redis_down_at_start_never_fails(tiny_engine, reference, own_redis):
     url = own_redis.url
     own_redis.kill()
     e = tiny_engine("llama", redis_url=url)  # built without contacting the server
-    _ask(e, reference)
-    _ask(e, reference, OTHER_Q, OTHER)
+    ask_exact(e, reference)
+    ask_exact(e, reference, OTHER_Q, OTHER)
     s = e.cache_stats()
     assert s["redis_errors"] >= 1 and s["redis_degraded"] == 1 and s["redis_hits"] == 0
 
@@ -252,7 +219,7 @@ def test_redis_down_at_start_never_fails(tiny_engine, reference, own_redis):
 def test_hung_redis_costs_one_timeout(tiny_engine, reference, own_redis, caplog, tally):
     url = own_redis.url
     a = tiny_engine("llama", redis_url=url)
-    _ask(a, reference)
+    ask_exact(a, reference)
     cold = tiny_engine("llama")
     t0 = time.monotonic()
     cold.generate(OTHER_Q, OTHER, strategy="reuse", max_new_tokens=4)
@@ -261,9 +228,9 @@ def test_hung_redis_costs_one_timeout(tiny_engine, reference, own_redis, caplog,
     try:
         b = tiny_engine("llama", redis_url=url, redis_timeout_s=0.1, redis_retry_s=60)
         t0 = time.monotonic()
-        _ask(b, reference)
+        ask_exact(b, reference)
         hung_s = time.monotonic() - t0
-        _ask(b, reference, OTHER_Q, OTHER)
+        ask_exact(b, reference, OTHER_Q, OTHER)
         s = b.cache_stats()
         assert s["redis_errors"] == 1 and s["redis_degraded"] == 1  # one timeout, then the tier is skipped
         assert s["misses"] == 6
