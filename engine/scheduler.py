@@ -62,6 +62,7 @@ class Request:
         self.seq = None
         self.pins: set[str] = set()
         self.tokens: list[int] = []
+        self.detok = _Detokenizer(engine.tokenizer)
         self.text, self.emitted, self.finish = "", 0, "length"
         self.next_token: int | None = None
         self.extra: dict[str, Any] = {}
@@ -125,7 +126,7 @@ class Request:
             self.finish = "stop"
             return False
         self.tokens.append(token)
-        self.text = eng.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        self.text = self.detok.add(token)
         cut = _first_stop(self.text, self.stop)
         if cut is not None:
             self.text, self.finish = self.text[:cut], "stop"
@@ -374,6 +375,37 @@ class Scheduler:
         with self._cond:
             self.done += n
             self._cond.notify_all()
+
+
+class _Detokenizer:
+    """The answer's text, token by token, without decoding the whole answer again at every step (the scheduler
+    thread decodes for every running request): the tokenizers library's incremental decoder (it holds back bytes
+    of an incomplete character) for a fast tokenizer, a full decode otherwise."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.backend = getattr(tokenizer, "backend_tokenizer", None)
+        self.stream = None
+        if self.backend is not None:
+            try:
+                from tokenizers.decoders import DecodeStream
+
+                self.stream = DecodeStream(skip_special_tokens=True)
+            except ImportError:  # an older tokenizers: decode in full
+                self.stream = None
+        self.tokens: list[int] = []
+        self.text = ""
+
+    def add(self, token: int) -> str:
+        """Appends a token; returns the text so far."""
+        self.tokens.append(token)
+        if self.stream is not None:
+            chunk = self.stream.step(self.backend, token)
+            if chunk:
+                self.text += chunk
+        else:
+            self.text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        return self.text
 
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()

@@ -227,3 +227,29 @@ def test_a_process_exits_cleanly_after_requests(tmp_path):
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "terminate called" not in out.stderr
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "llama3"])
+def test_incremental_detokenizer_equals_a_full_decode(family):
+    """The scheduler's per-token text (the tokenizers library's incremental decoder) equals a full decode of the
+    same tokens, multi-byte characters split across tokens included; a tokenizer without a fast backend falls
+    back to full decodes."""
+    from fixtures import load_tiny
+
+    from kvfuse.engine.scheduler import _Detokenizer
+
+    _, tok, _ = load_tiny(family, dtype=torch.float32)
+    for text in ["The observatory was built in 1887 — née Café ☃ 日本語 🎉.", "  two spaces\n\nand\ttabs", "x" * 40]:
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        d = _Detokenizer(tok)
+        seen = [d.add(t) for t in ids]
+        assert d.stream is not None
+        assert seen[-1] == tok.decode(ids, skip_special_tokens=True)
+        assert all(b.startswith(a) for a, b in zip(seen, seen[1:]))  # text only grows: deltas are never taken back
+
+    class Plain:  # no fast backend
+        def decode(self, ids, skip_special_tokens=True):
+            return " ".join(map(str, ids))
+
+    d = _Detokenizer(Plain())
+    assert d.stream is None and [d.add(t) for t in (5, 6)][-1] == "5 6"
