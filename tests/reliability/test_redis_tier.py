@@ -24,6 +24,10 @@ from kvfuse.engine.config import EngineConfig
 from kvfuse.engine.store import DocKV, content_key, decode_entry, encode_entry
 from kvfuse.engine.types import Document
 
+# Redis reply timeout of the engines here (the default is 0.1 s): a loaded test machine must not turn a hit into
+# a timeout; the tests of a hung server set their own.
+PATIENT = 2.0
+
 
 
 class _Exploit:
@@ -48,10 +52,10 @@ def _entries(server, engine) -> dict[bytes, int]:
 
 # -- sharing ---------------------------------------------------------------------------------------------------
 def test_entry_of_engine_a_is_served_to_engine_b(tiny_engine, reference, redis_server, redis_url):
-    a = tiny_engine("llama", redis_url=redis_url)
+    a = tiny_engine("llama", redis_url=redis_url, redis_timeout_s=PATIENT)
     ask_exact(a, reference)
     assert a.cache_stats()["misses"] == 3 and a.cache_stats()["redis_hits"] == 0
-    b = tiny_engine("llama", redis_url=redis_url)  # empty memory, no disk: only Redis has them
+    b = tiny_engine("llama", redis_url=redis_url, redis_timeout_s=PATIENT)  # empty memory, no disk: only Redis has them
     r = ask_exact(b, reference)
     s = b.cache_stats()
     assert s["redis_hits"] == 3 and s["misses"] == 0 and r.cache_hits == 3
@@ -61,13 +65,13 @@ def test_entry_of_engine_a_is_served_to_engine_b(tiny_engine, reference, redis_s
 
 
 def test_redis_hit_fills_memory_and_disk(tiny_engine, reference, redis_server, redis_url, tmp_path):
-    a = tiny_engine("llama", redis_url=redis_url)
+    a = tiny_engine("llama", redis_url=redis_url, redis_timeout_s=PATIENT)
     ask_exact(a, reference)
-    b = tiny_engine("llama", redis_url=redis_url, disk_cache_dir=tmp_path / "kv")
+    b = tiny_engine("llama", redis_url=redis_url, redis_timeout_s=PATIENT, disk_cache_dir=tmp_path / "kv")
     ask_exact(b, reference)
     assert b.cache_stats()["redis_hits"] == 3
     redis_server.flush()  # Redis forgets everything: the disk tier filled on the way back serves a new engine
-    c = tiny_engine("llama", redis_url=redis_url, disk_cache_dir=tmp_path / "kv")
+    c = tiny_engine("llama", redis_url=redis_url, redis_timeout_s=PATIENT, disk_cache_dir=tmp_path / "kv")
     ask_exact(c, reference)
     s = c.cache_stats()
     assert s["disk_hits"] == 3 and s["redis_hits"] == 0 and s["misses"] == 0
@@ -87,7 +91,8 @@ def test_precompute_in_another_process_then_serve(tiny_model, redis_server, redi
                         "--no-progress"], capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 0, p.stderr
     assert "3 computed" in p.stdout and redis_url.split("//")[1].split("/")[0] in p.stdout
-    served = FusionEngine.from_pretrained(model, device="cpu", dtype="fp32", disk_cache=False, redis_url=redis_url)
+    served = FusionEngine.from_pretrained(model, device="cpu", dtype="fp32", disk_cache=False, redis_url=redis_url,
+                                           redis_timeout_s=PATIENT)
     cold = FusionEngine.from_pretrained(model, device="cpu", dtype="fp32", disk_cache=False)
     try:
         r = served.generate(QUESTION, DOCS, strategy="reuse", max_new_tokens=4, return_logprobs=True)
@@ -102,11 +107,11 @@ def test_precompute_in_another_process_then_serve(tiny_model, redis_server, redi
 
 
 def test_forget_reaches_redis(tiny_engine, reference, redis_server, redis_url):
-    a = tiny_engine("llama", redis_url=redis_url)
+    a = tiny_engine("llama", redis_url=redis_url, redis_timeout_s=PATIENT)
     ask_exact(a, reference)
-    b = tiny_engine("llama", redis_url=redis_url)  # never saw the ids: learns them from Redis
+    b = tiny_engine("llama", redis_url=redis_url, redis_timeout_s=PATIENT)  # never saw the ids: learns them from Redis
     assert b.forget(["larkspur"]) == 1
-    c = tiny_engine("llama", redis_url=redis_url)
+    c = tiny_engine("llama", redis_url=redis_url, redis_timeout_s=PATIENT)
     ask_exact(c, reference)
     assert c.cache_stats()["redis_hits"] == 2 and c.cache_stats()["misses"] == 1
 
@@ -116,7 +121,7 @@ def test_forget_reaches_redis(tiny_engine, reference, redis_server, redis_url):
                                   "other_type"])
 def test_bad_entry_is_rejected_deleted_and_recomputed(tiny_engine, reference, redis_server, redis_url, tmp_path,
                                                       kind, tally):
-    a = tiny_engine("llama", redis_url=redis_url)
+    a = tiny_engine("llama", redis_url=redis_url, redis_timeout_s=PATIENT)
     ask_exact(a, reference)
     key = _key(a, DOCS[0])
     name = a.store.remote._kv_base + key
@@ -140,7 +145,7 @@ def test_bad_entry_is_rejected_deleted_and_recomputed(tiny_engine, reference, re
         c.hset(name, "k", pickle.dumps(_Exploit(str(marker))))
     else:
         c.set(name, bad)
-    b = tiny_engine("llama", redis_url=redis_url)
+    b = tiny_engine("llama", redis_url=redis_url, redis_timeout_s=PATIENT)
     ask_exact(b, reference)
     s = b.cache_stats()
     tally(None, 0, executed=int(marker.exists()))
@@ -152,28 +157,28 @@ def test_bad_entry_is_rejected_deleted_and_recomputed(tiny_engine, reference, re
 
 def test_entries_unsigned_or_signed_with_another_secret_are_refused(tiny_engine, reference, redis_server,
                                                                     redis_url):
-    a = tiny_engine("llama", redis_url=redis_url)  # unsigned
+    a = tiny_engine("llama", redis_url=redis_url, redis_timeout_s=PATIENT)  # unsigned
     ask_exact(a, reference)
-    b = tiny_engine("llama", redis_url=redis_url, cache_secret="s3cret")
+    b = tiny_engine("llama", redis_url=redis_url, redis_timeout_s=PATIENT, cache_secret="s3cret")
     ask_exact(b, reference)
     assert b.cache_stats()["corrupt"] == 3 and b.cache_stats()["redis_hits"] == 0
-    c = tiny_engine("llama", redis_url=redis_url, cache_secret="other")
+    c = tiny_engine("llama", redis_url=redis_url, redis_timeout_s=PATIENT, cache_secret="other")
     ask_exact(c, reference)
     assert c.cache_stats()["corrupt"] == 3
-    d = tiny_engine("llama", redis_url=redis_url, cache_secret="other")
+    d = tiny_engine("llama", redis_url=redis_url, redis_timeout_s=PATIENT, cache_secret="other")
     ask_exact(d, reference)
     assert d.cache_stats()["redis_hits"] == 3 and d.cache_stats()["corrupt"] == 0
 
 
 def test_bad_id_row_is_dropped(tiny_engine, reference, redis_server, redis_url):
-    a = tiny_engine("llama", redis_url=redis_url)
+    a = tiny_engine("llama", redis_url=redis_url, redis_timeout_s=PATIENT)
     ask_exact(a, reference)
     c = redis_server.client()
     rows = list(c.scan_iter(match=a.store.remote._id_base + "*"))
     assert len(rows) == 3
     for row in rows:
         c.set(row, pickle.dumps({"x": 1}))
-    b = tiny_engine("llama", redis_url=redis_url)
+    b = tiny_engine("llama", redis_url=redis_url, redis_timeout_s=PATIENT)
     ask_exact(b, reference)
     assert b.cache_stats()["redis_hits"] == 3 and b.cache_stats()["corrupt"] == 3
     assert all(c.get(row) is None or len(c.get(row)) == 64 for row in rows)
@@ -182,12 +187,12 @@ def test_bad_id_row_is_dropped(tiny_engine, reference, redis_server, redis_url):
 # -- a Redis that is down or hung --------------------------------------------------------------------------------
 def test_killed_redis_is_a_local_miss_then_recovers(tiny_engine, reference, own_redis, caplog):
     url = own_redis.url
-    a = tiny_engine("llama", redis_url=url, redis_retry_s=0.5)
+    a = tiny_engine("llama", redis_url=url, redis_timeout_s=PATIENT, redis_retry_s=0.5)
     ask_exact(a, reference)
     own_redis.kill()
     with caplog.at_level(logging.WARNING, logger="kvfuse.store"):
         ask_exact(a, reference, OTHER_Q, OTHER)  # misses computed; their writes to Redis fail
-        b = tiny_engine("llama", redis_url=url, redis_retry_s=0.5)
+        b = tiny_engine("llama", redis_url=url, redis_timeout_s=PATIENT, redis_retry_s=0.5)
         for _ in range(3):
             ask_exact(b, reference)
             time.sleep(0.3)
@@ -201,7 +206,7 @@ def test_killed_redis_is_a_local_miss_then_recovers(tiny_engine, reference, own_
         ask_exact(b, reference, OTHER_Q, OTHER)  # computed, and stored in Redis again
         assert any("usable again" in w for w in store_warnings(caplog))
     assert b.cache_stats()["redis_degraded"] == 0
-    c = tiny_engine("llama", redis_url=url)
+    c = tiny_engine("llama", redis_url=url, redis_timeout_s=PATIENT)
     ask_exact(c, reference, OTHER_Q, OTHER)
     assert c.cache_stats()["redis_hits"] == 3 and c.cache_stats()["redis_errors"] == 0
 
@@ -218,7 +223,7 @@ def test_redis_down_at_start_never_fails(tiny_engine, reference, own_redis):
 
 def test_hung_redis_costs_one_timeout(tiny_engine, reference, own_redis, caplog, tally):
     url = own_redis.url
-    a = tiny_engine("llama", redis_url=url)
+    a = tiny_engine("llama", redis_url=url, redis_timeout_s=PATIENT)
     ask_exact(a, reference)
     cold = tiny_engine("llama")
     t0 = time.monotonic()
@@ -290,7 +295,7 @@ def test_engine_namespace_stays_under_budget(tiny_engine, redis_server, redis_ur
     probe.precompute(docs[:1])
     one = probe.store.memory.get(_key(probe, docs[0])).nbytes
     budget = int(3.5 * one)
-    e = tiny_engine("llama", redis_url=redis_url, redis_budget_bytes=budget)
+    e = tiny_engine("llama", redis_url=redis_url, redis_timeout_s=PATIENT, redis_budget_bytes=budget)
     e.precompute(docs)
     entries = _entries(redis_server, e)
     assert 0 < len(entries) < len(docs) and sum(entries.values()) <= budget
@@ -329,14 +334,14 @@ def test_namespaces_never_see_each_other(tiny_engine, redis_server, redis_url):
         b.put(f"{i:064x}", _kv(i))
     assert k in a and a.get(k) is not None
 
-    llama = tiny_engine("llama", redis_url=redis_url)
-    qwen = tiny_engine("qwen2", redis_url=redis_url)
+    llama = tiny_engine("llama", redis_url=redis_url, redis_timeout_s=PATIENT)
+    qwen = tiny_engine("qwen2", redis_url=redis_url, redis_timeout_s=PATIENT)
     llama.precompute(DOCS)
     qwen.generate(QUESTION, DOCS, strategy="reuse", max_new_tokens=2)
     assert qwen.cache_stats()["redis_hits"] == 0 and qwen.cache_stats()["corrupt"] == 0
     assert llama.store.remote._kv_base != qwen.store.remote._kv_base
     assert len(_entries(redis_server, llama)) == len(_entries(redis_server, qwen)) == 4  # 3 documents + prefix
-    qwen2 = tiny_engine("qwen2", redis_url=redis_url)
+    qwen2 = tiny_engine("qwen2", redis_url=redis_url, redis_timeout_s=PATIENT)
     qwen2.generate(QUESTION, DOCS, strategy="reuse", max_new_tokens=2)
     assert qwen2.cache_stats()["redis_hits"] == 3
 
