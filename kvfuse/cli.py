@@ -29,13 +29,34 @@ def _engine(args):
         import torch
 
         torch.set_num_threads(threads)
-    extra = {}
+    config = {}
     redis_url = getattr(args, "redis_url", None)
     if redis_url:
-        extra["redis_url"] = redis_url
+        config["redis_url"] = redis_url
+    budget = getattr(args, "memory_budget", None)
+    if budget is not None:
+        config["memory_budget_bytes"] = _size(budget, "--memory-budget")
     return FusionEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype,
                                         cache_dir=args.cache_dir, disk_cache=not getattr(args, "no_disk_cache", False),
-                                        **extra)
+                                        **config)
+
+
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20, "MIB": 1 << 20,
+          "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30, "T": 1 << 40, "TB": 1 << 40, "TIB": 1 << 40}
+
+
+def _size(text: str, name: str) -> int:
+    """A byte size: a number with an optional binary unit (512K, 64M, 4G, 1.5GiB)."""
+    s = text.strip().upper()
+    digits = s.rstrip("BKMGTI")
+    unit = s[len(digits):]
+    try:
+        value = float(digits)
+    except ValueError:
+        value = -1.0
+    if unit not in _UNITS or not value >= 0 or value != value or value == float("inf"):
+        raise CliError(f"{name} must be a size such as 300K, 64M or 4G, got {text!r}")
+    return int(value * _UNITS[unit])
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -295,6 +316,8 @@ def cmd_serve(args) -> int:
     check_int(args.max_pending, "--max-pending", minimum=1)
     check_int(args.max_tokens, "--max-tokens", minimum=1)
     check_real(args.shutdown_timeout, "--shutdown-timeout", low=0.0)
+    if args.memory_budget is not None:
+        _size(args.memory_budget, "--memory-budget")
     api_key = args.api_key if args.api_key is not None else os.environ.get("KVFUSE_API_KEY") or None
     docs = _load_docs(args.documents) if args.documents else []
     _check_model_args(args)
@@ -310,6 +333,28 @@ def cmd_serve(args) -> int:
         from kvfuse.engine.types import as_documents
 
         app.state.kvfuse.documents.update((d.id, d) for d in as_documents(docs))
+    serve(app, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout, log_level=args.log_level)
+    return 0
+
+
+def cmd_route(args) -> int:
+    try:
+        from kvfuse.server.router import create_router_app
+        from kvfuse.server.run import serve
+    except ImportError as e:
+        raise CliError(f"kvfuse route needs the serve extra (pip install 'kvfuse[serve]'): {e}") from None
+    from kvfuse.engine.validate import check_int, check_real
+
+    check_int(args.port, "--port", minimum=0, maximum=65535)
+    check_int(args.vnodes, "--vnodes", minimum=1)
+    check_int(args.max_in_flight, "--max-in-flight", minimum=1)
+    check_real(args.health_interval, "--health-interval", low=0.01)
+    check_real(args.shutdown_timeout, "--shutdown-timeout", low=0.0)
+    for url in args.replica:
+        if not url.startswith(("http://", "https://")):
+            raise CliError(f"--replica must be a URL such as http://10.0.0.5:8000, got {url!r}")
+    app = create_router_app(args.replica, policy=args.policy, vnodes=args.vnodes, max_in_flight=args.max_in_flight,
+                            health_interval_s=args.health_interval, seed=args.seed)
     serve(app, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout, log_level=args.log_level)
     return 0
 
@@ -355,8 +400,31 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds in-flight requests get to finish after SIGTERM before they are cancelled "
                         "(default 30)")
     p.add_argument("--no-disk-cache", action="store_true", help="keep document caches in memory only")
+    p.add_argument("--memory-budget", default=None,
+                   help="bytes of document caches kept in memory, e.g. 512M or 40G (default 4G)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("route", help="one OpenAI-compatible front over several `kvfuse serve` replicas, routing each "
+                                     "request to the replica most likely to hold its documents' caches")
+    p.add_argument("--replica", action="append", required=True,
+                   help="base URL of a replica (repeat for each), e.g. --replica http://10.0.0.5:8000")
+    p.add_argument("--policy", default="affinity", choices=["affinity", "round_robin", "random"],
+                   help="affinity: consistent hashing on document ids, load fallback (default); round_robin and "
+                        "random ignore documents")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 picks a free one, printed)")
+    p.add_argument("--vnodes", type=int, default=160, help="hash-ring points per replica (default 160)")
+    p.add_argument("--max-in-flight", type=int, default=32,
+                   help="a replica with this many requests in flight is passed over while another has room "
+                        "(default 32)")
+    p.add_argument("--health-interval", type=float, default=2.0,
+                   help="seconds between two /health polls of each replica (default 2)")
+    p.add_argument("--seed", type=int, default=None, help="seed of the random policy")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get after SIGTERM (default 30)")
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=cmd_route)
 
     try:
         from kvfuse.evaluation.cli import add_eval_parser, run_eval

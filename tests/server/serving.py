@@ -1,4 +1,5 @@
-"""Helpers of the server tests: the real server as a subprocess (`launch`), test documents, the API key."""
+"""Helpers of the server tests: the real server as a subprocess (`launch`), the router over replicas
+(`launch_router`), test documents, the API key."""
 from __future__ import annotations
 
 import os
@@ -53,15 +54,27 @@ class Server:
 
 def launch(model_dir: Path, *args: str, timeout: float = 120.0) -> Server:
     """Starts `kvfuse serve` on port 0 and waits for its address line and for /health."""
+    cache = tempfile.mkdtemp(prefix="kvfuse-serve-test-")
+    cmd = ["serve", "--model", str(model_dir), "--device", "cpu", "--dtype", "fp32", "--cache-dir", cache,
+           "--threads", str(threads()), "--port", "0", *args]
+    return _spawn(cmd, Path(cache), timeout)
+
+
+def launch_router(replicas: list[str], *args: str, timeout: float = 60.0) -> Server:
+    """Starts `kvfuse route` over `replicas` on port 0 and waits for its address line and for /health."""
+    where = tempfile.mkdtemp(prefix="kvfuse-route-test-")
+    cmd = ["route", "--port", "0", *[a for url in replicas for a in ("--replica", url)], *args]
+    return _spawn(cmd, Path(where), timeout)
+
+
+def _spawn(cli_args: list[str], folder: Path, timeout: float) -> Server:
     import httpx
 
-    cache = tempfile.mkdtemp(prefix="kvfuse-serve-test-")
-    log_path = Path(cache) / "server.log"
+    log_path = folder / "server.log"
     log = open(log_path, "w")
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "kvfuse.cli", "serve", "--model", str(model_dir), "--device", "cpu",
-           "--dtype", "fp32", "--cache-dir", cache, "--threads", str(threads()), "--port", "0", *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+    proc = subprocess.Popen([sys.executable, "-m", "kvfuse.cli", *cli_args], stdout=subprocess.PIPE, stderr=log,
+                            text=True, env=env)
     found: list[str] = []
 
     def read() -> None:  # the first stdout line names the address; later lines are drained
