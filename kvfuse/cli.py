@@ -249,8 +249,26 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def _precompute_input(args) -> str:
+    if args.file and args.input and args.file != args.input:
+        raise CliError(f"two inputs given ({args.file} and --input {args.input}): give one")
+    path = args.file or args.input
+    if not path:
+        raise CliError("no input: give the documents file (kvfuse precompute FILE, or --input FILE)")
+    return path
+
+
 def cmd_precompute(args) -> int:
-    docs = _load_docs(args.file)
+    path = _precompute_input(args)
+    if args.ray:
+        return _precompute_on_ray(args, path)
+    for flag, value in (("--address", args.address), ("--num-workers", args.num_workers),
+                        ("--batch-size", args.batch_size)):
+        if value is not None:
+            raise CliError(f"{flag} needs --ray")
+    if args.format not in ("auto", "json", "jsonl"):
+        raise CliError(f"--format {args.format} needs --ray (without it: JSON or JSONL)")
+    docs = _load_docs(path)
     _check_model_args(args)
     engine = _engine(args)
     progress = getattr(args, "progress", None)
@@ -266,6 +284,37 @@ def _redacted(url: str) -> str:
     from kvfuse.engine.store.redis_tier import redact_url
 
     return redact_url(url)
+
+
+def _precompute_on_ray(args, path: str) -> int:
+    """`kvfuse precompute --ray`: the corpus is checked here, then precomputed by a Ray Data job (an actor pool of
+    engines writing the shared disk cache); a progress bar, then the totals and throughput on stdout."""
+    if getattr(args, "no_disk_cache", False):
+        raise CliError("--ray writes the shared disk cache")
+    _check_model_args(args)
+    try:
+        from kvfuse.distributed.ray_precompute import precompute_corpus, read_corpus
+    except ImportError as e:  # pragma: no cover - the module itself imports no optional package
+        raise CliError(f"kvfuse precompute --ray needs the distributed extra: {e}") from None
+    read_corpus(path, args.format)  # every problem of the input, before Ray is started or imported
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        raise CliError("kvfuse precompute --ray needs Ray: pip install 'kvfuse[distributed]'") from None
+    progress = getattr(args, "progress", None)
+    progress = _stderr_is_tty() if progress is None else progress
+    ray_log = logging.getLogger("ray.data")
+    level = ray_log.level
+    ray_log.setLevel(max(level, logging.WARNING))  # its per-job INFO lines; the bar and the summary say it
+    try:
+        rep = precompute_corpus(path, model=args.model, cache_dir=args.cache_dir, num_workers=args.num_workers,
+                                batch_size=args.batch_size or 32, address=args.address, format=args.format,
+                                device=args.device, dtype=args.dtype, threads_per_worker=args.threads,
+                                show_progress=progress)
+    finally:
+        ray_log.setLevel(level)
+    print(rep.summary())
+    return 0
 
 
 def _stderr_is_tty() -> bool:
@@ -368,10 +417,23 @@ def build_parser() -> argparse.ArgumentParser:
     _add_gen_args(p)
     p.set_defaults(func=cmd_demo)
 
-    p = sub.add_parser("precompute", help="compute and store document caches from a JSON/JSONL file")
-    p.add_argument("file", help="JSONL of {id, text[, title]} (or records with 'passages'), or JSON list")
+    p = sub.add_parser("precompute", help="compute and store document caches from a JSON/JSONL file (or, with "
+                                          "--ray, a corpus on a Ray cluster)")
+    p.add_argument("file", nargs="?", help="JSONL of {id, text[, title]} (or records with 'passages'), or JSON list")
+    p.add_argument("--input", default=None, help="the documents file (instead of FILE); with --ray also Parquet, "
+                                                 "a folder of JSONL/Parquet files or a LlamaIndex docstore.json")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="show a progress bar on stderr (default: only when stderr is a terminal)")
+    g = p.add_argument_group("distributed (needs the distributed extra)")
+    g.add_argument("--ray", action="store_true", help="run as a Ray Data job: an actor pool of engines (one per "
+                                                      "GPU, else CPU actors) writing the shared disk cache")
+    g.add_argument("--address", default=None, help="Ray cluster to join ('auto', 'ray://host:10001'; default: "
+                                                   "start a local one)")
+    g.add_argument("--num-workers", type=int, default=None, help="engines (default: one per GPU, else one per "
+                                                                 "8 CPUs)")
+    g.add_argument("--batch-size", type=int, default=None, help="documents per precompute call (default 32)")
+    g.add_argument("--format", default="auto", choices=["auto", "jsonl", "json", "parquet", "llama-index"],
+                   help="input format (default: from the file name)")
     _add_model_args(p)
     p.set_defaults(func=cmd_precompute)
 
