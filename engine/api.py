@@ -482,7 +482,12 @@ class FusionEngine:
             kvs = [kv if not n else _head(kv, n) for (_, kv), n in zip(pairs, keep or [None] * len(pairs))]
         prefix_kv = self.doc_cache.prefix_kv() if strat.uses_cache and layout.prefix_cached else None
         segs = [Segment(layout.prefix.start, layout.prefix.end, prefix_kv, selectable=False)]
-        segs += [Segment(sp.start, sp.end, kv) for sp, kv in zip(layout.docs, kvs)]
+        # the first document right after the cached prefix it was computed after: its cache IS what full prefill
+        # computes there (fusionrag's variants are computed with other context: not exact)
+        exact = (prefix_kv is not None and bool(layout.docs) and layout.docs[0].start == layout.prefix.end
+                 and not getattr(strat, "cache_variant", None))
+        segs += [Segment(sp.start, sp.end, kv, exact=exact and i == 0) for i, (sp, kv) in
+                 enumerate(zip(layout.docs, kvs))]
         segs += [Segment(sp.start, sp.end, None, selectable=False) for sp in layout.glue]
         segs.sort(key=lambda sg: sg.start)
         segs.append(Segment(layout.tail.start, layout.tail.end, None, selectable=False))
@@ -543,7 +548,8 @@ class FusionEngine:
         t0 = time.perf_counter()
         if doc_ids is None:
             doc_ids = [d.tolist() for d in layout.doc_ids]
-        order = reorder_documents(self.runner, layout, segs, list(range(len(docs))), strat, ratio)
+        every = [dataclasses.replace(sg, exact=False) for sg in segs]  # the first document is ordered like the others
+        order = reorder_documents(self.runner, layout, every, list(range(len(docs))), strat, ratio)
         layout, segs, _ = self._prepare(question, [docs[i] for i in order], strat, [doc_ids[i] for i in order],
                                         reserve)
         return layout, segs, time.perf_counter() - t0

@@ -46,6 +46,7 @@ class _Plan:
     extra_capacity: int
     want_logits: bool
     capture: tuple | None
+    budget_tokens: int = 0  # document tokens the ratio applies to (exact documents included)
 
 
 class _NullClock:
@@ -101,13 +102,16 @@ class Segment:
     """A run of prompt rows [start, end) served from `kv` (rows of kv: `kv_start ..`), or computed (kv=None).
 
     `selectable` marks document segments (the strategy may recompute their tokens); the prefix is exact and
-    never selected.
+    never selected. `exact` marks a document whose cache is exactly what a full prefill computes at these rows
+    (the first document right after the cached prefix it was computed after): never selected, but its tokens count
+    toward the recompute budget, so its share goes to the other documents.
     """
 
     start: int
     end: int
     kv: DocKV | None
     selectable: bool = True
+    exact: bool = False
 
 
 @dataclass
@@ -175,19 +179,22 @@ class Runner:
         n = int(ids.numel())
         # index sets are built on the host from the segment spans: no device round trip in the hot path
         must_host = torch.ones(n, dtype=torch.bool)
-        doc_spans, cached = [], []
+        doc_spans, cached, budget_tokens = [], [], 0
         for seg in segments:
             if seg.kv is not None and strategy.uses_cache:
                 must_host[seg.start:seg.end] = False
                 cached.append(seg)
-                if seg.selectable:
+                if seg.selectable and not seg.exact:
                     doc_spans.append((seg.start, seg.end))
+                if seg.selectable or seg.exact:
+                    budget_tokens += seg.end - seg.start
         if want_logits and not bool(must_host[-1]):
             raise RuntimeError("the last prompt token must be computed")
         arange = torch.arange(n)
         cand_host = torch.cat([arange[s:e] for s, e in doc_spans]) if doc_spans else arange[:0]
         plan = _Plan(n=n, cached=cached, doc_spans=doc_spans, must_host=must_host, cand_host=cand_host,
-                     extra_capacity=extra_capacity, want_logits=want_logits, capture=capture)
+                     extra_capacity=extra_capacity, want_logits=want_logits, capture=capture,
+                     budget_tokens=budget_tokens)
         key = self._graph_key(plan, strategy, ratio)
         if key is not None:
             out = self.graphs.run(key, plan, ids, strategy, ratio)
@@ -204,8 +211,10 @@ class Runner:
         cached = plan.cached
         cos, sin = self._cos, self._sin
         ctx = SelectContext(n_layers=self.spec.n_layers, ratio=ratio, candidates=candidates,
-                            doc_spans=plan.doc_spans, question=must_pos,
-                            doc_extras=[seg.kv.extras for seg in cached if seg.selectable])
+                            doc_spans=plan.doc_spans, question=must_pos, budget_tokens=plan.budget_tokens,
+                            doc_extras=[seg.kv.extras for seg in cached if seg.selectable and not seg.exact],
+                            exact_spans=[(seg.start, seg.end) for seg in cached if seg.exact],
+                            exact_extras=[seg.kv.extras for seg in cached if seg.exact])
         probe_layers = strategy.probe_layers(self.spec.n_layers) if cached else ()
         if probe_layers:
             clock.start()
@@ -240,7 +249,7 @@ class Runner:
             opts = tuple(sorted((k, repr(v)) for k, v in vars(strategy).items()))
         except TypeError:
             return None
-        spans = tuple((seg.start, seg.end, seg.selectable) for seg in plan.cached)
+        spans = tuple((seg.start, seg.end, seg.selectable, seg.exact) for seg in plan.cached)
         return (type(strategy).__name__, opts, float(ratio), plan.n, plan.extra_capacity, spans, tuple(pools))
 
     @dataclass

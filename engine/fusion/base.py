@@ -40,6 +40,11 @@ class SelectContext:
         question_attention: {layer: [Q, N] float32} softmax probabilities of the question rows over all keys,
             averaged over heads (from the probe pass; only for `probe_layers`).
         doc_extras: per document (prompt order), the extra tensors stored with its cache (e.g. anchors).
+        budget_tokens: the document tokens the ratio applies to (None: the candidates). A document served exactly
+            (the first one, right after the cached prefix) is not a candidate but counts here: its share of the
+            budget goes to the others.
+        exact_spans / exact_extras: those exact documents' spans and stored extras (a probe may still compress
+            them, e.g. to their anchors).
     """
 
     n_layers: int
@@ -55,11 +60,19 @@ class SelectContext:
     cached_v: Tensor | None = None
     question_attention: dict[int, Tensor] = field(default_factory=dict)
     doc_extras: list[dict[str, Tensor]] = field(default_factory=list)
+    budget_tokens: int | None = None
+    exact_spans: list[tuple[int, int]] = field(default_factory=list)  # exact documents: never candidates
+    exact_extras: list[dict[str, Tensor]] = field(default_factory=list)  # their extras (e.g. anchors)
 
     @property
     def budget(self) -> int:
-        """Document tokens to recompute: round(ratio * candidates)."""
-        return budget_for(self.ratio, int(self.candidates.numel()))
+        """Document tokens to recompute: round(ratio * budget_tokens), at most every candidate."""
+        return self.budget_at(self.ratio)
+
+    def budget_at(self, ratio: float) -> int:
+        """The budget at another ratio (e.g. a gradual schedule's): round(ratio * budget_tokens) <= candidates."""
+        n = int(self.candidates.numel())
+        return min(n, budget_for(ratio, n if self.budget_tokens is None else self.budget_tokens))
 
 
 def budget_for(ratio: float, n: int) -> int:

@@ -40,6 +40,6 @@ class CacheBlend(Strategy):
     def refine(self, ctx: SelectContext):
         from ...kernels.deviation import kv_deviation
 
-        k = budget_for(self._ratio_at(ctx), int(ctx.candidates.numel()))
+        k = ctx.budget_at(self._ratio_at(ctx))
         dev = kv_deviation(ctx.fresh_k, ctx.cached_k)
         return topk_positions(dev, ctx.active, k)

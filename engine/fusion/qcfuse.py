@@ -59,11 +59,16 @@ class QCFuse(Strategy):
         dev = cand.device
         n = int(ctx.question.max()) + 1 if ctx.question.numel() else (int(cand.max()) + 1 if cand.numel() else 0)
         other = torch.ones(n, dtype=torch.bool, device=dev)
-        other[cand] = False  # the prefix (and any other exact, non-selectable row) is always in the view
+        other[cand] = False  # the prefix (and any computed, non-document row) is always in the view
+        for s, e in ctx.exact_spans:  # exact documents are compressed like the others
+            other[s:e] = False
         other[ctx.question.to(dev)] = False  # the runner adds the question rows itself
         parts = [torch.nonzero(other).flatten()]
-        extras = ctx.doc_extras if len(ctx.doc_extras) == len(ctx.doc_spans) else [{}] * len(ctx.doc_spans)
-        for (s, e), ex in zip(ctx.doc_spans, extras):
+        spans = list(ctx.exact_spans) + list(ctx.doc_spans)
+        extras = list(ctx.exact_extras) + list(ctx.doc_extras)
+        if len(extras) != len(spans):
+            extras = [{}] * len(spans)
+        for (s, e), ex in zip(spans, extras):
             a = ex.get("anchors") if ex else None
             if a is None:
                 parts.append(torch.arange(s, e, device=dev))

@@ -59,10 +59,28 @@ def test_ratio_one_equals_full(family, strategy, tiny_engine):
     engine = tiny_engine(family)
     engine.precompute(DOCS)
     _, ref = _prefill_logits(engine, QUESTION, DOCS, "full")
-    _, out = _prefill_logits(engine, QUESTION, DOCS, strategy, ratio=1.0)
-    assert out.recomputed.numel() == sum(len(engine.prompts.encode_document(d)) for d in
-                                         __import__("kvfuse.engine.types", fromlist=["x"]).as_documents(DOCS))
+    layout, out = _prefill_logits(engine, QUESTION, DOCS, strategy, ratio=1.0)
+    # every document token is recomputed but the first document's: its cache, computed right after the same
+    # cached prefix, is exactly what full prefill computes there (the logits below prove it)
+    first = layout.docs[0]
+    assert out.recomputed.numel() == layout.doc_tokens - (first.end - first.start)
+    assert not ((out.recomputed >= first.start) & (out.recomputed < first.end)).any()
     torch.testing.assert_close(out.logits, ref.logits, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("strategy", ["cacheblend", "epic", "infoflow", "prophetkv"])
+def test_the_exact_first_document_gives_its_budget_to_the_others(strategy, tiny_engine):
+    """The ratio applies to every document token; the first document (exact) is never recomputed, so the others
+    get its share. Behind a title (computed glue) or in a chat layout it is not exact and is a candidate."""
+    engine = tiny_engine("llama")
+    engine.precompute(DOCS)
+    layout, out = _prefill_logits(engine, QUESTION, DOCS, strategy, ratio=0.3)
+    first = layout.docs[0]
+    assert out.recomputed.numel() == round(0.3 * layout.doc_tokens)
+    assert not ((out.recomputed >= first.start) & (out.recomputed < first.end)).any()
+    titled = [{"id": DOCS[0][0], "text": DOCS[0][1], "title": "Larkspur"}] + list(DOCS[1:])
+    layout, out = _prefill_logits(engine, QUESTION, titled, strategy, ratio=1.0)
+    assert out.recomputed.numel() == layout.doc_tokens  # behind its title the first document is a candidate
 
 
 def _rotate(x: torch.Tensor, inv_freq: torch.Tensor, delta: int, scaling: float = 1.0) -> torch.Tensor:
@@ -141,10 +159,11 @@ def test_recomputed_rows_attend_by_absolute_position(tiny_engine, monkeypatch):
     engine = tiny_engine("llama")
     docs_b = DOCS[:-1] + [(DOCS[-1][0] + "-x", "A different final document about copper mines in Esk.")]
 
-    def early_k(eng):
+    def early_k(eng):  # the second document's first rows (EPIC recomputes them; the first document is exact)
         _, out = _prefill_logits(eng, QUESTION, docs, "epic", ratio=0.3)
-        first = eng.layout(QUESTION, docs).docs[0]
-        return eng.decoding.keys(out.seq, eng.decoder.spec.n_layers - 1)[first.start:first.start + 3].clone()
+        second = eng.layout(QUESTION, docs).docs[1]
+        assert second.end <= eng.layout(QUESTION, docs).docs[-1].start
+        return eng.decoding.keys(out.seq, eng.decoder.spec.n_layers - 1)[second.start:second.start + 3].clone()
 
     docs = DOCS
     a = early_k(engine)

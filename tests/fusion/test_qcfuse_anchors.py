@@ -95,7 +95,8 @@ def test_anchors_are_computed_once_and_stored_with_the_cache(tier, fusion_engine
 
 
 def test_probe_runs_over_the_compressed_view(fusion_engine, monkeypatch):
-    """The question probe attends to prefix + anchors only: the keys it is given are exactly those."""
+    """The question probe attends to prefix + anchors only (the first document's too, though it is exact and
+    never selected): the keys it is given are exactly those."""
     from kvfuse.engine import runner as runner_mod
 
     e = fusion_engine("qwen2")
