@@ -352,11 +352,13 @@ def test_model_kwargs_reach_the_strategy(engine, passages):
                         model_kwargs={"max_per_doc": 2})
     a = plain.invoke("Who?", documents=docs).response_metadata["kvfuse"]
     b = capped.invoke("Who?", documents=docs).response_metadata["kvfuse"]
-    assert a["recomputed_tokens"] == budget_for(0.5, a["doc_tokens"]) > 4
-    assert b["recomputed_tokens"] == 4  # epic's cap: 2 tokens in each of the 2 documents
+    # the first document, cached right after the same prefix, is exact: never recomputed; the budget (half of all
+    # document tokens) goes to the second, up to its length
+    assert 4 < a["recomputed_tokens"] <= budget_for(0.5, a["doc_tokens"])
+    assert b["recomputed_tokens"] == 2  # epic's cap: 2 tokens in the one recomputable document
     # another strategy per call: the model_kwargs (epic's) are not sent to it
     c = capped.invoke("Who?", documents=docs, strategy="cacheblend").response_metadata["kvfuse"]
-    assert c["strategy"] == "cacheblend" and c["recomputed_tokens"] == budget_for(0.5, c["doc_tokens"])
+    assert c["strategy"] == "cacheblend" and c["recomputed_tokens"] == a["recomputed_tokens"]
 
 
 @slow
