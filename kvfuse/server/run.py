@@ -15,7 +15,8 @@ class _Server(uvicorn.Server):
 
     uvicorn then stops accepting connections and waits for the responses in flight (streams included); the app
     cancels the requests still running `shutdown_timeout` seconds after the signal (their clients get an error
-    event or a 503), so they end through the app, and uvicorn's own timeout, a little later, is only a backstop.
+    event or a 503), so they end through the app; uvicorn's own timeout, 30 s later, is only a backstop (on a busy
+    machine a 5 s margin let it cancel a stream first and log a traceback).
     The app's lifespan end then shuts the engine down."""
 
     def __init__(self, config: uvicorn.Config, state, shutdown_timeout: float) -> None:
@@ -46,7 +47,7 @@ def serve(app, *, host: str = "127.0.0.1", port: int = 8000, shutdown_timeout: f
     sock.listen(2048)
     sock.set_inheritable(True)
     bound = sock.getsockname()[1]
-    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout + 5.0,
+    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout + 30.0,
                             lifespan="on", access_log=log_level in ("debug", "info"))
     server = _Server(config, app.state.kvfuse, shutdown_timeout)
     where = f"[{host}]" if family == socket.AF_INET6 else host
