@@ -135,11 +135,13 @@ class Decoding:
         row_map[n:] = torch.arange(slab_start + p, slab_start + p + reserve, device=dev)
         where = torch.full((n,), -1, dtype=torch.long, device=dev)
         where[private] = torch.arange(p, device=dev)                     # position -> index among the private rows
+        pooled = isinstance(src, PooledSource)
+        base_private = src.base_rows.to(dev)[private] if pooled else None  # their cached rows, once for all layers
         for i, (pos, k, v) in enumerate(fresh):
             pos = pos.to(dev)
-            if isinstance(src, PooledSource):
-                ck = pool.k[i].index_select(0, src.base_rows.to(dev)[private])
-                cv = pool.v[i].index_select(0, src.base_rows.to(dev)[private])
+            if pooled:
+                ck = pool.k[i].index_select(0, base_private)
+                cv = pool.v[i].index_select(0, base_private)
             else:
                 full_k, full_v = src.cached_layer(i)
                 ck, cv = full_k[private], full_v[private]
