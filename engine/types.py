@@ -308,9 +308,13 @@ class AsyncGenerationStream:
 
 
 def _settle(stream: Any, kind: str, value: Any) -> None:
-    """Records the end of a stream's request (DONE: its result; ERROR: nothing); deltas are ignored."""
+    """Records the end of a stream's request (DONE: its result; ERROR: nothing); deltas are ignored.
+
+    The end is put back into the queue: whoever else waits on it (a second closer, a reader racing a closer)
+    takes it too instead of waiting for an item that will never come."""
     if kind == _DELTA:
         return
+    stream._queue.put_nowait((kind, value))
     stream._finished = True
     if kind == _DONE and stream.result is None:
         stream.result = value

@@ -207,6 +207,33 @@ def test_asyncio_requests_run_together(tiny_engine):
     assert res.token_ids == engine.generate(QUESTION, DOCS, max_new_tokens=6).token_ids
 
 
+def test_closing_a_stream_twice_at_once_never_hangs(tiny_engine):
+    """Two closers of one stream (a server's shutdown and the response's own end, or two threads) both return:
+    the end of the request reaches every reader, not only the one that took it from the queue."""
+    engine = tiny_engine("llama")
+
+    async def two_acloses():
+        st = engine.astream(QUESTION, DOCS, max_new_tokens=200)
+        assert await anext(st)
+        await asyncio.wait_for(asyncio.gather(st.aclose(), st.aclose()), 60)
+        await asyncio.wait_for(st.aclose(), 5)  # and once more, after the end
+        return st
+
+    st = asyncio.run(two_acloses())
+    assert st.result is not None and st.result.finish_reason == "cancelled"
+
+    s = engine.stream(QUESTION, DOCS, max_new_tokens=200)
+    next(s)
+    closers = [threading.Thread(target=s.close, daemon=True) for _ in range(2)]
+    for t in closers:
+        t.start()
+    for t in closers:
+        t.join(60)
+    assert not any(t.is_alive() for t in closers), "a close() never returned"
+    assert s.result is not None and s.result.finish_reason == "cancelled"
+    assert list(s) == []
+
+
 def test_a_process_exits_cleanly_after_requests(tmp_path):
     """The scheduler thread ends with the interpreter: no abort at exit, even with a stream left open."""
     import subprocess
