@@ -6,10 +6,12 @@ import dataclasses
 import re
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from .adapter import AdaptedDecoder, FusionAdapter, load_adapter, packaged_adapter
 from .config import EngineConfig, resolve_device, resolve_dtype
 from .diagnose import ContextKV
 from .doccache import DocumentCache
@@ -61,6 +63,8 @@ class FusionEngine:
         model_name: a display name.
         model_fingerprint / tokenizer_fingerprint: cache namespace parts; computed from the weights and the
             vocabulary when not given.
+        adapter: a fusion adapter (engine/adapter.py: a FusionAdapter or the path of its safetensors file) applied
+            when documents are computed offline; None for none. Its hash is part of every cache key.
 
     Document caches are served by `doc_cache` (a DocumentCache, engine/doccache.py); `store`, `registry`,
     `doc_profilers`, `cache_variants`, `corpus` and `context_window` are its attributes, reachable here too.
@@ -74,7 +78,8 @@ class FusionEngine:
     context_window = _OnDocumentCache()  # tokens
 
     def __init__(self, hf_model, tokenizer, config: EngineConfig | None = None, *, model_name: str | None = None,
-                 model_fingerprint: str | None = None, tokenizer_fingerprint: str | None = None) -> None:
+                 model_fingerprint: str | None = None, tokenizer_fingerprint: str | None = None,
+                 adapter: FusionAdapter | str | Path | None = None) -> None:
         self.config = config or EngineConfig()
         self.decoder = build_decoder(hf_model)
         _check_on_device(hf_model, self.decoder.device)
@@ -86,18 +91,25 @@ class FusionEngine:
         self.runner = Runner(self.decoder, cuda_graphs=self.config.cuda_graphs,
                              piecewise_graphs=self.config.piecewise_graphs)
         self.prompts = PromptBuilder(tokenizer, self.config.prompt)
+        if adapter is not None and not isinstance(adapter, FusionAdapter):
+            adapter = load_adapter(adapter)
+        if adapter is not None:
+            adapter.check(self.decoder)
+            adapter = adapter.to(self.device, self.dtype)
+        self.adapter = adapter
         self.namespace = Namespace(
             model=model_fingerprint or fingerprint_tensors(hf_model.state_dict().items()),
             tokenizer=tokenizer_fingerprint or _tokenizer_fingerprint(tokenizer),
-            dtype=str(self.dtype))
+            dtype=str(self.dtype), adapter=adapter.digest if adapter is not None else "")
         self.eos_ids = _eos_ids(hf_model, tokenizer)
         sliding = getattr(hf_model.config, "sliding_window", None) if getattr(
             hf_model.config, "use_sliding_window", True) else None
         window = min(self.decoder.spec.max_positions, sliding or 1 << 62)
         self._shortest_tail = len(self.prompts.encode_tail(""))  # the question template around an empty question
         # the document caches: store, registry, offline extras and cache variants (see engine/doccache.py)
+        doc_runner = None if adapter is None else Runner(AdaptedDecoder(self.decoder, adapter), cuda_graphs=False)
         self.doc_cache = DocumentCache(self.runner, self.prompts, self.namespace, self.config,
-                                       context_window=window)
+                                       context_window=window, doc_runner=doc_runner)
         # requests run on the scheduler's thread, decoded together (engine/scheduler.py); other model work takes
         # the engine between two of its iterations (`self.scheduler.exclusive()`)
         self.decoding = Decoding(self.runner, self._make_arena(), self.config.cuda_graphs)
@@ -107,7 +119,8 @@ class FusionEngine:
     @classmethod
     def from_pretrained(cls, name_or_path: str = DEFAULT_MODEL, *, device: str | None = None,
                         dtype: str | torch.dtype | None = None, cache_dir: str | None = None,
-                        disk_cache: bool = True, **config: Any) -> FusionEngine:
+                        disk_cache: bool = True, adapter: FusionAdapter | str | Path | None = "default",
+                        **config: Any) -> FusionEngine:
         """Loads a model by registry name ("qwen2.5-coder-0.5b", "smollm2-135m", ...), GGUF path or HF folder.
 
         Args:
@@ -115,6 +128,8 @@ class FusionEngine:
             dtype: "bf16" (default), "fp16", "fp32".
             cache_dir: where converted weights and (with `disk_cache`) document caches live.
             disk_cache: keep document caches on disk under cache_dir/kv (shared across processes).
+            adapter: "default" (the fusion adapter shipped for this model, if there is one), a path or FusionAdapter,
+                or None (documents computed by the base model alone).
             **config: EngineConfig fields (memory_budget_bytes, prompt, redis_url, ...).
         """
         from .weights import default_cache_dir, load_model
@@ -124,8 +139,10 @@ class FusionEngine:
         if disk_cache and "disk_cache_dir" not in config:
             config["disk_cache_dir"] = (cache_dir and __import__("pathlib").Path(cache_dir) or
                                         default_cache_dir()) / "kv"
+        if isinstance(adapter, str) and adapter == "default":
+            adapter = packaged_adapter(info.name)
         return cls(model, tok, EngineConfig(**config), model_name=info.name, model_fingerprint=info.fingerprint,
-                   tokenizer_fingerprint=info.tokenizer_fingerprint)
+                   tokenizer_fingerprint=info.tokenizer_fingerprint, adapter=adapter)
 
     # -- public API ------------------------------------------------------------------------------------
     def precompute(self, docs: Iterable[Any], strategy: str | Strategy | None = None, *,
@@ -483,9 +500,10 @@ class FusionEngine:
         prefix_kv = self.doc_cache.prefix_kv() if strat.uses_cache and layout.prefix_cached else None
         segs = [Segment(layout.prefix.start, layout.prefix.end, prefix_kv, selectable=False)]
         # the first document right after the cached prefix it was computed after: its cache IS what full prefill
-        # computes there (fusionrag's variants are computed with other context: not exact)
+        # computes there (fusionrag's variants are computed with other context, documents computed with the fusion
+        # adapter differ by design: not exact)
         exact = (prefix_kv is not None and bool(layout.docs) and layout.docs[0].start == layout.prefix.end
-                 and not getattr(strat, "cache_variant", None))
+                 and not getattr(strat, "cache_variant", None) and self.adapter is None)
         segs += [Segment(sp.start, sp.end, kv, exact=exact and i == 0) for i, (sp, kv) in
                  enumerate(zip(layout.docs, kvs))]
         segs += [Segment(sp.start, sp.end, None, selectable=False) for sp in layout.glue]

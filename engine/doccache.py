@@ -50,6 +50,8 @@ class DocumentCache:
 
     Args:
         runner: the Runner over the model; its decoder (`runner.dec`) gives the shapes, device and dtype.
+        doc_runner: the Runner documents are computed by (the model with its fusion adapter, engine/adapter.py);
+            default: `runner`. The prefix is always computed by `runner`.
         prompts: the PromptBuilder (the prefix every cache is computed after; document tokenization).
         namespace: the cache namespace (model, tokenizer and dtype fingerprints).
         config: EngineConfig (memory and disk budgets, `kv_tier`, `scratch_tokens`, `id_index_bytes`, ...).
@@ -65,8 +67,9 @@ class DocumentCache:
     """
 
     def __init__(self, runner: Runner, prompts: PromptBuilder, namespace: Namespace, config: EngineConfig, *,
-                 context_window: int) -> None:
+                 context_window: int, doc_runner: Runner | None = None) -> None:
         self.runner = runner
+        self.doc_runner = doc_runner or runner  # computes documents (with the fusion adapter, when one is set)
         self.decoder = runner.dec
         self.prompts = prompts
         self.namespace = namespace
@@ -119,7 +122,8 @@ class DocumentCache:
         """
         full, segs = self.after_prefix([*context, (ids, None)])
         n = int(full.numel())
-        return self.runner.prefill(full, segs, Reuse(), 0.0, capture=(n - len(ids), n), want_logits=False).captured
+        return self.doc_runner.prefill(full, segs, Reuse(), 0.0, capture=(n - len(ids), n),
+                                       want_logits=False).captured
 
     # -- serving -----------------------------------------------------------------------------------------------
     def kvs(self, docs: Sequence[Document], strategy: Strategy | None = None,

@@ -38,7 +38,14 @@ def _engine(args):
         config["memory_budget_bytes"] = _size(budget, "--memory-budget")
     return FusionEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype,
                                         cache_dir=args.cache_dir, disk_cache=not getattr(args, "no_disk_cache", False),
-                                        **config)
+                                        adapter=_adapter_arg(getattr(args, "adapter", "default")), **config)
+
+
+def _adapter_arg(value):
+    """--adapter: "default", "none" (None) or a file path (checked when the engine loads it)."""
+    if value is None or value == "default":
+        return "default"
+    return None if value.lower() == "none" else value
 
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20, "MIB": 1 << 20,
@@ -70,6 +77,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-dir", default=None, help="converted weights and document caches "
                                                      "(default: $KVFUSE_CACHE_DIR or ~/.cache/kvfuse)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+    p.add_argument("--adapter", default="default",
+                   help="fusion adapter applied when documents are computed: 'default' (the one shipped for the "
+                        "model, if any), 'none', or a .safetensors file from `kvfuse train-adapter`")
     p.add_argument("--redis-url", default=os.environ.get("KVFUSE_REDIS_URL") or None,
                    help="a Redis server shared by several engines as a cache tier behind memory and disk, e.g. "
                         "redis://host:6379/0 (default: $KVFUSE_REDIS_URL, else none; needs the redis extra)")
@@ -408,6 +418,46 @@ def cmd_route(args) -> int:
     return 0
 
 
+def cmd_train_adapter(args) -> int:
+    from kvfuse.engine.validate import check_int, check_real
+    from kvfuse.evaluation.data import read_jsonl, select_examples
+    from kvfuse.evaluation.runner import load_engine
+    from kvfuse.training.distill import TrainConfig, train_adapter
+
+    check_int(args.steps, "--steps", minimum=1)
+    check_int(args.rank, "--rank", minimum=1)
+    check_int(args.reported, "--reported", minimum=0)
+    check_int(args.max_doc_tokens, "--max-doc-tokens", minimum=16)
+    check_real(args.lr, "--lr", low=1e-8, high=1.0)
+    if not str(args.out).endswith(".safetensors"):
+        raise CliError(f"--out must name a .safetensors file, got {args.out!r}")
+    targets = tuple(t for t in args.targets.split(",") if t)
+    datasets = [d for d in args.datasets.split(",") if d]
+    examples = read_jsonl(args.data)
+    train = []
+    for name in datasets:  # everything after the reported split, in the evaluation's own seeded order
+        order = select_examples(examples, datasets=[name], limit=None, seed=0)
+        if not order:
+            raise CliError(f"dataset {name!r} has no examples under {args.data}")
+        train.extend(order[args.reported:])
+    if not train:
+        raise CliError("no training examples left after the reported split")
+    cfg = TrainConfig(rank=args.rank, targets=targets, steps=args.steps, lr=args.lr, seed=args.seed,
+                      max_doc_tokens=args.max_doc_tokens)
+    _check_model_args(args)
+    engine = load_engine(args.model, device=args.device, dtype=args.dtype, prompt=args.prompt, adapter=None)
+    print(f"kvfuse: training a fusion adapter for {engine.model_name} on {len(train)} examples "
+          f"({', '.join(datasets)}, after the first {args.reported} of each), {args.steps} steps", file=sys.stderr)
+    rec = train_adapter(engine, train, cfg, args.out, log=lambda m: print(m, file=sys.stderr, flush=True))
+    rec["data"] = {"folder": str(args.data), "datasets": datasets, "reported_per_dataset": args.reported,
+                   "train_ids": [ex.id for ex in train]}
+    rec["command"] = "kvfuse train-adapter " + " ".join(sys.argv[2:])
+    import pathlib
+
+    pathlib.Path(args.out).with_suffix(".json").write_text(json.dumps(rec, indent=1))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvfuse", description="Fast RAG answers from fused per-document KV caches.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -487,6 +537,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds in-flight requests get after SIGTERM (default 30)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=cmd_route)
+
+    p = sub.add_parser("train-adapter", help="train a fusion adapter by self-distillation from full prefill "
+                                             "(documents computed with it serve closer to full prefill)")
+    p.add_argument("--data", required=True, help="folder of evaluation JSONL files (the dev data)")
+    p.add_argument("--datasets", default="2wikimqa,hotpotqa,musique", help="datasets to train on (comma separated)")
+    p.add_argument("--reported", type=int, default=60,
+                   help="the first N examples per dataset of the evaluation's seeded order are the reported split "
+                        "and are never trained on (default 60, `kvfuse eval --limit 60`)")
+    p.add_argument("--seed", type=int, default=0, help="training seed; the reported split uses `kvfuse eval`'s seed 0")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--rank", type=int, default=8)
+    p.add_argument("--targets", default="q,k,v,o,gate,up,down", help="projections adapted (comma separated)")
+    p.add_argument("--max-doc-tokens", type=int, default=900, help="document tokens per training prompt at most")
+    p.add_argument("--prompt", default="qa", help="prompt preset (as `kvfuse eval --prompt`; default qa)")
+    p.add_argument("--out", required=True, help="the adapter file to write (.safetensors; a .json record beside it)")
+    _add_model_args(p)
+    p.set_defaults(func=cmd_train_adapter)
 
     try:
         from kvfuse.evaluation.cli import add_eval_parser, run_eval

@@ -53,9 +53,9 @@ def tiny_engine():
 
     made = []
 
-    def factory(family: str = "llama", **config):
+    def factory(family: str = "llama", adapter=None, **config):
         model, tok, info = fixtures.load_tiny(family, dtype=torch.float32)
-        engine = fixtures.engine_from(model, tok, info, **config)
+        engine = fixtures.engine_from(model, tok, info, adapter=adapter, **config)
         made.append(engine)
         return engine
 

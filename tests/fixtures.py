@@ -337,12 +337,12 @@ def real_model_dir(name: str, dtype: torch.dtype = torch.bfloat16) -> Path:
     return weights.resolve_model(name, dtype=dtype, progress=False)
 
 
-def engine_from(model, tok, info, **config):
-    """A FusionEngine over a loaded (model, tokenizer, info) with EngineConfig fields `config`."""
+def engine_from(model, tok, info, adapter=None, **config):
+    """A FusionEngine over a loaded (model, tokenizer, info) with EngineConfig fields `config` (and a fusion adapter)."""
     from kvfuse.engine.api import FusionEngine
     from kvfuse.engine.config import EngineConfig
 
-    return FusionEngine(model, tok, EngineConfig(**config), model_name=info.name,
+    return FusionEngine(model, tok, EngineConfig(**config), model_name=info.name, adapter=adapter,
                         model_fingerprint=info.fingerprint, tokenizer_fingerprint=info.tokenizer_fingerprint)
 
 

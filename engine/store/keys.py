@@ -1,7 +1,7 @@
 """Content-addressed cache keys.
 
 key = sha256(namespace, prefix token ids, document token ids). The namespace binds the layout version, the
-model fingerprint, the tokenizer fingerprint and the dtype, so nothing computed for another model, tokenizer,
+model fingerprint, the tokenizer fingerprint, the dtype and the fusion adapter's hash, so nothing computed for another model, tokenizer,
 precision or cache layout can ever be served. Position is not part of the key: documents are stored at their
 local positions and re-positioned exactly at use.
 """
@@ -24,10 +24,13 @@ class Namespace:
     tokenizer: str
     dtype: str
     layout: int = LAYOUT_VERSION
+    adapter: str = ""  # the fusion adapter's digest (engine/adapter.py); "" for none
 
     @property
     def digest(self) -> str:
         raw = f"kvfuse|layout={self.layout}|model={self.model}|tok={self.tokenizer}|dtype={self.dtype}"
+        if self.adapter:  # caches computed with an adapter live in their own namespace
+            raw += f"|adapter={self.adapter}"
         return hashlib.sha256(raw.encode()).hexdigest()
 
 

@@ -217,9 +217,10 @@ class RunStats:
         return "\n".join(lines)
 
 
-def load_engine(model: str, device: str | None = None, dtype: str | None = None, prompt: str = "qa") -> Any:
-    """`FusionEngine.from_pretrained(model, device=..., dtype=..., prompt=PROMPT_PRESETS[prompt])` (device and
-    dtype only when given)."""
+def load_engine(model: str, device: str | None = None, dtype: str | None = None, prompt: str = "qa",
+                adapter: Any = "default") -> Any:
+    """`FusionEngine.from_pretrained(model, device=..., dtype=..., prompt=PROMPT_PRESETS[prompt], adapter=...)`
+    (device and dtype only when given)."""
     try:
         from kvfuse.engine.api import FusionEngine
         from kvfuse.engine.prompt import PROMPT_PRESETS
@@ -227,7 +228,7 @@ def load_engine(model: str, device: str | None = None, dtype: str | None = None,
         raise ValueError(f"cannot import the engine (kvfuse.engine.api): {e}") from None
     if prompt not in PROMPT_PRESETS:
         raise ValueError(f"unknown prompt {prompt!r}; available: {', '.join(PROMPT_PRESETS)}")
-    kwargs: dict[str, Any] = {"prompt": PROMPT_PRESETS[prompt]}
+    kwargs: dict[str, Any] = {"prompt": PROMPT_PRESETS[prompt], "adapter": adapter}
     if device:
         kwargs["device"] = device
     if dtype:

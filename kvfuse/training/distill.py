@@ -1,0 +1,274 @@
+"""Self-distillation of a fusion adapter (engine/adapter.py).
+
+Teacher: the base model's full prefill of a multi-document prompt, and its own greedy answer (teacher-forced).
+Student: the fused path of the same prompt: every document computed alone after the prefix *with the adapter*
+(the offline pass), then the base model over the prefix's cache, the documents' caches re-positioned exactly, the
+rows the engine's strategy recomputes at a sampled ratio, the question and the answer. The loss is KL(teacher ||
+student) per answer token; only the adapter's weights learn.
+
+The forward here is plain differentiable torch over the engine's decoder seam (`project` / `finish`) and the
+same RoPE; `tests/training` checks it against the engine's own paths (full prefill, and reuse with and without an
+adapter) so what is trained is what is served.
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..engine.adapter import TARGETS, AdaptedDecoder, FusionAdapter
+from ..engine.fusion.select import select_only
+from ..engine.runner import Segment
+from ..engine.store import DocKV
+from ..kernels.rope import apply_rope_reference
+
+__all__ = ["TrainConfig", "forward_rows", "student_logprobs", "teacher_logprobs", "train_adapter", "training_prompts"]
+
+
+def forward_rows(dec, ids: Tensor, pos: Tensor, cos: Tensor, sin: Tensor,
+                 ctx: tuple[list[Tensor], list[Tensor], Tensor] | None = None) -> tuple[Tensor, list, list]:
+    """Runs rows `ids` at positions `pos` through every layer, attending causally (by position) to themselves and
+    to `ctx` = (per-layer K [C, kvh, d] pre-RoPE, per-layer V, positions [C]).
+
+    Returns:
+        (final hidden [T, hidden], per-layer K of these rows pre-RoPE, per-layer V).
+    """
+    s = dec.spec
+    h = dec.embed_tokens(ids)
+    ks, vs = [], []
+    all_pos = pos if ctx is None else torch.cat([ctx[2], pos])
+    mask = all_pos[None, :] <= pos[:, None]
+    cq, sq = cos[pos], sin[pos]
+    ck, sk = cos[all_pos], sin[all_pos]
+    for i in range(s.n_layers):
+        q, k, v = dec.project(i, h)
+        ks.append(k)
+        vs.append(v)
+        if ctx is not None:
+            k = torch.cat([ctx[0][i], k])
+            v = torch.cat([ctx[1][i], v])
+        qr = apply_rope_reference(q, cq, sq).transpose(0, 1)
+        kr = apply_rope_reference(k, ck, sk).transpose(0, 1)
+        o = F.scaled_dot_product_attention(qr, kr, v.transpose(0, 1), attn_mask=mask, scale=s.scale,
+                                           enable_gqa=True)
+        h = dec.finish(i, h, o.transpose(0, 1))
+    return h, ks, vs
+
+
+def _answer_rows(layout, answer: Sequence[int]) -> tuple[Tensor, Tensor]:
+    """(ids, positions) of the teacher-forced answer rows after the prompt (the answer minus its last token)."""
+    n = layout.n
+    ids = torch.as_tensor(list(answer[:-1]), dtype=torch.long)
+    return ids, torch.arange(n, n + ids.numel())
+
+
+def teacher_logprobs(engine, layout, answer: Sequence[int]) -> Tensor:
+    """log p_full(. | prompt, answer[:t]) for t < len(answer): [T, vocab] float32, no gradient."""
+    dec = engine.decoder
+    a_ids, a_pos = _answer_rows(layout, answer)
+    ids = torch.cat([layout.ids, a_ids]).to(dec.device)
+    pos = torch.arange(ids.numel(), device=dec.device)
+    cos, sin = engine.runner.rope(int(ids.numel()))
+    with torch.no_grad():
+        h, _, _ = forward_rows(dec, ids, pos, cos, sin)
+        return torch.log_softmax(dec.logits(h[layout.n - 1:]).float(), dim=-1)
+
+
+def student_logprobs(engine, layout, answer: Sequence[int], adapter: FusionAdapter | None,
+                     recompute: Tensor | None = None, doc_kv: list | None = None) -> Tensor:
+    """log p_fused(. | prompt, answer[:t]): documents computed alone after the prefix (with `adapter`), the base
+    model over the rest; `recompute`: sorted document positions recomputed online. Differentiable in the adapter.
+
+    Args:
+        doc_kv: the documents' (K list, V list) from `document_kv` (computed here when None).
+    """
+    dec = engine.decoder
+    dev = dec.device
+    a_ids, a_pos = _answer_rows(layout, answer)
+    n_all = layout.n + int(a_ids.numel())
+    cos, sin = engine.runner.rope(n_all)
+    if doc_kv is None:
+        doc_kv = document_kv(engine, layout, adapter)
+    prefix = engine.doc_cache.prefix_kv()
+    ctx_k = [[prefix.k[i]] for i in range(dec.spec.n_layers)]
+    ctx_v = [[prefix.v[i]] for i in range(dec.spec.n_layers)]
+    ctx_pos = [torch.arange(layout.prefix.start, layout.prefix.end)]
+    keep_doc = torch.ones(layout.n, dtype=torch.bool)
+    if recompute is not None and recompute.numel():
+        keep_doc[recompute.cpu()] = False
+    for sp, (ks, vs) in zip(layout.docs, doc_kv):
+        sel = keep_doc[sp.start:sp.end].to(dev)
+        for i in range(dec.spec.n_layers):
+            ctx_k[i].append(ks[i][sel])
+            ctx_v[i].append(vs[i][sel])
+        ctx_pos.append(torch.arange(sp.start, sp.end)[keep_doc[sp.start:sp.end]])
+    computed = torch.ones(layout.n, dtype=torch.bool)
+    computed[layout.prefix.start:layout.prefix.end] = False
+    for sp in layout.docs:
+        computed[sp.start:sp.end] = False
+    if recompute is not None and recompute.numel():
+        computed[recompute.cpu()] = True
+    rows = torch.arange(layout.n)[computed]
+    ids = torch.cat([layout.ids[rows], a_ids]).to(dev)
+    pos = torch.cat([rows, a_pos]).to(dev)
+    ctx = ([torch.cat(x) for x in ctx_k], [torch.cat(x) for x in ctx_v], torch.cat(ctx_pos).to(dev))
+    h, _, _ = forward_rows(dec, ids, pos, cos, sin, ctx)
+    first = int((rows < layout.n - 1).sum())  # the row of the last prompt token: it predicts the first answer token
+    return torch.log_softmax(dec.logits(h[first:]).float(), dim=-1)
+
+
+def document_kv(engine, layout, adapter: FusionAdapter | None) -> list[tuple[list[Tensor], list[Tensor]]]:
+    """Each document's per-layer pre-RoPE (K, V), computed alone after the prefix's cache (the offline pass)."""
+    dec = engine.decoder if adapter is None else AdaptedDecoder(engine.decoder, adapter)
+    prefix = engine.doc_cache.prefix_kv()
+    p = layout.prefix.end - layout.prefix.start
+    ctx = (list(prefix.k), list(prefix.v), torch.arange(p, device=engine.device))
+    longest = max((len(x) for x in layout.doc_ids), default=0)
+    cos, sin = engine.runner.rope(p + longest)
+    out = []
+    for d_ids in layout.doc_ids:
+        d_ids = torch.as_tensor(d_ids, dtype=torch.long, device=engine.device)
+        _, ks, vs = forward_rows(dec, d_ids, torch.arange(p, p + d_ids.numel(), device=engine.device), cos, sin, ctx)
+        out.append((ks, vs))
+    return out
+
+
+def strategy_selection(engine, layout, doc_kv, strategy: str, ratio: float) -> Tensor | None:
+    """The document positions `strategy` recomputes at `ratio` over these (detached) caches, as the engine picks
+    them (its probe and initial choice)."""
+    if ratio <= 0:
+        return None
+    from ..engine.fusion import make_strategy
+
+    segs = [Segment(layout.prefix.start, layout.prefix.end, engine.doc_cache.prefix_kv(), selectable=False)]
+    for sp, (ks, vs) in zip(layout.docs, doc_kv):
+        segs.append(Segment(sp.start, sp.end, DocKV(torch.stack([k.detach() for k in ks]),
+                                                      torch.stack([v.detach() for v in vs]))))
+    segs += [Segment(sp.start, sp.end, None, selectable=False) for sp in layout.glue]
+    segs.sort(key=lambda s: s.start)
+    segs.append(Segment(layout.tail.start, layout.tail.end, None, selectable=False))
+    _, chosen = select_only(engine.runner, layout.ids, segs, make_strategy(strategy), ratio)
+    return None if chosen is None else torch.sort(chosen.cpu()).values
+
+
+@dataclass
+class TrainConfig:
+    """One training run (recorded with the adapter).
+
+    Attributes:
+        rank / alpha / targets: the adapter's shape.
+        steps / lr / warmup / seed: the optimisation (AdamW, linear warm-up then cosine decay).
+        ratios: recompute ratios the student samples per step (0 = pure reuse).
+        strategy: the strategy whose selection the student recomputes.
+        min_docs / max_docs / max_doc_tokens: the prompts built from an example (a random subset of its passages,
+            in random order, trimmed to `max_doc_tokens` document tokens).
+        answer_tokens: the teacher's greedy answer length at most.
+    """
+
+    rank: int = 8
+    alpha: float = 16.0
+    targets: tuple[str, ...] = TARGETS
+    steps: int = 200
+    lr: float = 3e-4
+    warmup: int = 10
+    seed: int = 0
+    ratios: tuple[float, ...] = (0.0, 0.15)
+    strategy: str = "infoflow"
+    min_docs: int = 3
+    max_docs: int = 8
+    max_doc_tokens: int = 900
+    answer_tokens: int = 16
+
+
+def training_prompts(examples, cfg: TrainConfig, tokenizer_len: Callable[[str], int]):
+    """An endless stream of (question, documents) built from `examples`: random passage subsets and orders."""
+    from ..engine.types import Document
+
+    rng = random.Random(cfg.seed)
+    pool = [ex for ex in examples if len(ex.passages) >= 2]
+    if not pool:
+        raise ValueError("no training example has two passages or more")
+    while True:
+        ex = rng.choice(pool)
+        k = rng.randint(min(cfg.min_docs, len(ex.passages)), min(cfg.max_docs, len(ex.passages)))
+        picked = rng.sample(list(ex.passages), k)
+        docs, used = [], 0
+        for pid, title, text in picked:
+            n = tokenizer_len(text)
+            if docs and used + n > cfg.max_doc_tokens:
+                continue
+            docs.append(Document(pid, text, title=title or ""))
+            used += n
+        yield ex, docs
+
+
+def train_adapter(engine, examples, cfg: TrainConfig, out: str | Path, *, log: Callable[[str], None] = print,
+                  eval_examples=None) -> dict[str, Any]:
+    """Trains a fusion adapter for `engine`'s model on `examples` and writes `out` (safetensors) and
+    `out`.json (the training record: config, data, loss curve, time)."""
+    torch.manual_seed(cfg.seed)
+    rng = random.Random(cfg.seed + 1)
+    adapter = FusionAdapter.init(engine.decoder, cfg.rank, cfg.alpha, cfg.targets, seed=cfg.seed)
+    params = adapter.parameters()
+    for p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+
+    def lr_at(step: int) -> float:
+        if step < cfg.warmup:
+            return cfg.lr * (step + 1) / cfg.warmup
+        t = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+        return cfg.lr * 0.5 * (1 + math.cos(math.pi * t))
+
+    tok_len = (lambda text: len(engine.tokenizer(text, add_special_tokens=False)["input_ids"]))
+    prompts = training_prompts(examples, cfg, tok_len)
+    curve, t0 = [], time.perf_counter()
+    for step in range(cfg.steps):
+        ex, docs = next(prompts)
+        res = engine.generate(ex.question, docs, strategy="full", max_new_tokens=cfg.answer_tokens,
+                              temperature=0.0)
+        answer = list(res.token_ids)
+        if len(answer) < 1:
+            continue
+        layout = engine.layout(ex.question, docs)
+        teacher = teacher_logprobs(engine, layout, answer + [0])
+        ratio = rng.choice(cfg.ratios)
+        doc_kv = document_kv(engine, layout, adapter)
+        recompute = strategy_selection(engine, layout, doc_kv, cfg.strategy, ratio)
+        student = student_logprobs(engine, layout, answer + [0], adapter, recompute, doc_kv)
+        kl = (teacher.exp() * (teacher - student)).sum(-1).mean()
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step)
+        opt.zero_grad(set_to_none=True)
+        kl.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        curve.append({"step": step, "kl": round(kl.item(), 5), "ratio": ratio, "docs": len(docs),
+                      "prompt_tokens": layout.n, "answer_tokens": len(answer), "example": ex.id,
+                      "seconds": round(time.perf_counter() - t0, 1)})
+        if step % 10 == 0 or step == cfg.steps - 1:
+            recent = [c["kl"] for c in curve[-10:]]
+            log(f"step {step + 1}/{cfg.steps}  kl {sum(recent) / len(recent):.4f} (mean of last {len(recent)})  "
+                f"{time.perf_counter() - t0:.0f} s")
+    record = {"config": {**asdict(cfg), "targets": list(cfg.targets), "ratios": list(cfg.ratios)},
+              "model": engine.model_name, "base_namespace": engine.namespace.model,
+              "train_examples": len(examples), "seconds": round(time.perf_counter() - t0, 1), "curve": curve}
+    for p in params:
+        p.requires_grad_(False)
+    adapter.meta = {"base": engine.namespace.model, "model": engine.model_name, "steps": str(cfg.steps),
+                    "seed": str(cfg.seed)}
+    out = Path(out)
+    adapter.save(out)
+    out.with_suffix(".json").write_text(json.dumps(record, indent=1))
+    log(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB) and {out.with_suffix('.json')}")
+    return record
+
+
