@@ -75,6 +75,10 @@ def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--smoke", action="store_true",
                    help="tiny end-to-end check (SmolLM2, 2 bundled examples, full,reuse,cacheblend,epic at 0.15, "
                         "8 new tokens); exits non-zero when any check fails")
+    p.add_argument("--adapter", default=None,
+                   help="fusion adapter: 'default' (shipped for the model, if any), 'none', or a .safetensors file; "
+                        "runs with one are recorded as '<strategy>+adapter' beside those without, and the report "
+                        "shows both when both are on record (default: default)")
     p.add_argument("--device", help="engine device (default: the engine's choice)")
     p.add_argument("--dtype", help="engine dtype, e.g. bfloat16 or float32 (default: the engine's choice)")
     p.add_argument("--no-progress", action="store_true", dest="no_progress", help="no progress bar")
@@ -147,6 +151,7 @@ def _resolve(args: argparse.Namespace) -> dict[str, Any]:
         "max_new_tokens": mnt,
         "prompt": str(get("prompt")),
         "out": None if out is None else Path(out),
+        "adapter": getattr(args, "adapter", None) or "default",
         "device": getattr(args, "device", None),
         "dtype": getattr(args, "dtype", None),
         "pareto_x": getattr(args, "pareto_x", None) or "fraction",
@@ -154,6 +159,23 @@ def _resolve(args: argparse.Namespace) -> dict[str, Any]:
         "progress": not getattr(args, "no_progress", False),
         "report_only": bool(getattr(args, "report_only", False)),
     }
+
+
+ADAPTER_TAG = "+adapter"
+
+
+def _adapter_for(value: str, model: str) -> Any:
+    """--adapter resolved before any model work: None, or the adapter file's path (checked readable)."""
+    if value.lower() == "none":
+        return None
+    if value == "default":
+        from kvfuse.engine.adapter import packaged_adapter
+
+        return packaged_adapter(model)
+    from kvfuse.engine.adapter import load_adapter
+
+    load_adapter(value)  # a clear error now for a missing or malformed file
+    return value
 
 
 def run_eval(args: argparse.Namespace, engine_factory: Any = None) -> int:
@@ -176,9 +198,11 @@ def run_eval(args: argparse.Namespace, engine_factory: Any = None) -> int:
     if not examples:
         raise ValueError("no examples selected (check --datasets / --limit)")
     configs = build_configs(opt["strategies"], opt["ratios"])
+    adapter = _adapter_for(opt["adapter"], opt["model"])
     if engine_factory is None:
         def engine_factory() -> Any:
-            engine = load_engine(opt["model"], device=opt["device"], dtype=opt["dtype"], prompt=opt["prompt"])
+            engine = load_engine(opt["model"], device=opt["device"], dtype=opt["dtype"], prompt=opt["prompt"],
+                                 adapter=adapter)
             if any(_variant_strategy(name) for name in _offline_strategies(configs)):
                 attach_corpus(engine, examples)  # fusionrag: neighbours from the selected examples' passages
             return engine
@@ -193,7 +217,8 @@ def run_eval(args: argparse.Namespace, engine_factory: Any = None) -> int:
 
     def make_runner() -> EvalRunner:
         return EvalRunner(engine_factory, out, model=opt["model"], max_new_tokens=opt["max_new_tokens"],
-                          seed=opt["seed"], progress=opt["progress"], extra=extra, prompt=opt["prompt"])
+                          seed=opt["seed"], progress=opt["progress"], extra=extra, prompt=opt["prompt"],
+                          adapter_tag="" if adapter is None else ADAPTER_TAG)
 
     runner = make_runner()
     if runner.store.bad_lines:
@@ -204,15 +229,19 @@ def run_eval(args: argparse.Namespace, engine_factory: Any = None) -> int:
         print(stats.describe(), file=sys.stderr)
 
     # example x config order: the report lists strategies in the order they were asked for (full first)
-    keys = [record_key(e.id, c.strategy, c.ratio, opt["model"], opt["max_new_tokens"], opt["prompt"],
-                       opt["dtype"])
+    # both the runs with the fusion adapter and those without, when on record (the report shows them side by side)
+    labels = [(c, c.strategy) for c in configs] + [(c, c.strategy + ADAPTER_TAG) for c in configs
+                                                    if c.strategy != "full"]
+    keys = [record_key(e.id, label, c.ratio, opt["model"], opt["max_new_tokens"], opt["prompt"], opt["dtype"])
             for e in examples
-            for c in configs]
+            for c, label in labels]
     records = [runner.store.get(k) for k in keys if runner.store.get(k) is not None]
     if opt["report_only"]:
         if not records:
             raise ValueError(f"--report-only: none of the selected runs is on record in {out / 'records.jsonl'}")
-        print(f"report only: {len(records)} of {len(keys)} selected runs on record", file=sys.stderr)
+        tagged = sum(r["strategy"].endswith(ADAPTER_TAG) for r in records)
+        print(f"report only: {len(records) - tagged} of {len(examples) * len(configs)} selected runs on record"
+              + (f", and {tagged} with the fusion adapter" if tagged else ""), file=sys.stderr)
     rows, md = write_report(records, out, seed=opt["seed"], pareto_x=opt["pareto_x"],
                              pareto_y=opt["pareto_y"])
     print(md)

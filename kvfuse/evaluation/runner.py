@@ -276,7 +276,8 @@ class EvalRunner:
 
     def __init__(self, engine_factory: Callable[[], Any], out_dir: str | Path, model: str,
                  max_new_tokens: int = 32, seed: int = 0, selfcheck_examples: int = 2, warmup: bool = True,
-                 progress: bool = True, extra: dict[str, Any] | None = None, prompt: str = "qa") -> None:
+                 progress: bool = True, extra: dict[str, Any] | None = None, prompt: str = "qa",
+                 adapter_tag: str = "") -> None:
         if max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
         self.engine_factory = engine_factory
@@ -289,13 +290,18 @@ class EvalRunner:
         self.warmup = warmup
         self.progress = progress
         self.extra = dict(extra or {})
+        self.adapter_tag = adapter_tag  # "+adapter" when the engine computes documents with a fusion adapter
         self.store = RecordStore(self.out_dir)
         self.engine: Any = None
         self._seen_passages: set[str] = set()
 
     # ------------------------------------------------------------------ helpers
+    def label(self, cfg: Config) -> str:
+        """The strategy as recorded: with the adapter tag, except `full` (the base model whatever the adapter)."""
+        return cfg.strategy if cfg.strategy == REFERENCE else cfg.strategy + self.adapter_tag
+
     def key(self, example: Example, cfg: Config) -> tuple:
-        return record_key(example.id, cfg.strategy, cfg.ratio, self.model, self.max_new_tokens, self.prompt,
+        return record_key(example.id, self.label(cfg), cfg.ratio, self.model, self.max_new_tokens, self.prompt,
                           self.extra.get("dtype"))
 
     def pending(self, examples: Iterable[Example], configs: Sequence[Config]) -> int:
@@ -360,7 +366,7 @@ class EvalRunner:
         rec: dict[str, Any] = {
             "example_id": ex.id,
             "dataset": ex.dataset,
-            "strategy": cfg.strategy,
+            "strategy": self.label(cfg),
             "ratio": cfg.ratio,
             "model": self.model,
             "max_new_tokens": self.max_new_tokens,

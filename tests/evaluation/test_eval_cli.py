@@ -124,3 +124,39 @@ def test_report_only_runs_nothing_and_reports_what_is_on_record(tmp_path, capsys
     with pytest.raises(ValueError, match="none of the selected runs"):
         run_eval(parse("--data", data, "--out", str(tmp_path), "--max-new-tokens", "8", "--report-only"),
                  engine_factory=FakeEngine)  # another token budget: nothing of it is on record
+
+
+def test_runs_with_and_without_an_adapter_are_reported_side_by_side(tmp_path, capsys):
+    """--adapter none, then an adapter file: its runs are recorded as '<strategy>+adapter', full is not rerun (the
+    base model either way), and the report lists both variants; a bad adapter file fails before any work."""
+    import torch
+
+    from kvfuse.engine.adapter import FusionAdapter
+    from kvfuse.evaluation.data import smoke_data_path
+
+    class _Dec:  # the shapes FusionAdapter.init reads
+        class spec:
+            n_layers, hidden, n_heads, n_kv_heads, head_dim = 2, 8, 2, 1, 4
+        layers = [type("L", (), {"w_up": torch.zeros(16, 8)})()]
+        device = torch.device("cpu")
+
+    path = FusionAdapter.init(_Dec, rank=2, targets=("k", "v")).save(tmp_path / "ad.safetensors")
+    common = ("--data", str(smoke_data_path()), "--strategies", "reuse", "--ratios", "0.15", "--out",
+              str(tmp_path / "out"), "--no-progress", "--max-new-tokens", "4")
+    assert run_eval(parse(*common, "--adapter", "none"), engine_factory=FakeEngine) == 0
+    calls = []
+
+    def factory():
+        calls.append(1)
+        return FakeEngine()
+
+    assert run_eval(parse(*common, "--adapter", str(path)), engine_factory=factory) == 0
+    recs = [json.loads(l) for l in (tmp_path / "out" / "records.jsonl").read_text().splitlines()]
+    assert sorted({r["strategy"] for r in recs}) == ["full", "reuse", "reuse+adapter"]
+    assert sum(r["strategy"] == "full" for r in recs) == 3  # full ran once per example, in the first run only
+    md = (tmp_path / "out" / "summary.md").read_text()
+    assert "| reuse+adapter |" in md and "| reuse |" in md
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"junk")
+    with pytest.raises(ValueError, match="not a readable adapter"):
+        run_eval(parse(*common, "--adapter", str(bad)), engine_factory=lambda: pytest.fail("no work"))
