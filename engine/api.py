@@ -17,8 +17,9 @@ from .diagnose import ContextKV
 from .doccache import DocumentCache
 from .fusion import make_strategy
 from .fusion.base import Strategy
+from .fusion.coinrag import sentence_spans
 from .fusion.reuse import Reuse
-from .fusion.select import reorder_documents
+from .fusion.select import reorder_documents, select_only
 from .models import build_decoder
 from .options import GenerationOptions
 from .profile import load_profile
@@ -498,19 +499,13 @@ class FusionEngine:
             pairs, miss_tokens = self.doc_cache.kvs(docs, strat, doc_ids)
             kvs = [kv if not n else _head(kv, n) for (_, kv), n in zip(pairs, keep or [None] * len(pairs))]
         prefix_kv = self.doc_cache.prefix_kv() if strat.uses_cache and layout.prefix_cached else None
-        segs = [Segment(layout.prefix.start, layout.prefix.end, prefix_kv, selectable=False)]
         # the first document right after the cached prefix it was computed after: its cache IS what full prefill
         # computes there (fusionrag's variants are computed with other context, documents computed with the fusion
         # adapter differ by design: not exact)
         exact = (prefix_kv is not None and bool(layout.docs) and layout.docs[0].start == layout.prefix.end
                  and not getattr(strat, "cache_variant", None) and self.adapter is None)
-        segs += [Segment(sp.start, sp.end, kv, exact=exact and i == 0) for i, (sp, kv) in
-                 enumerate(zip(layout.docs, kvs))]
-        segs += [Segment(sp.start, sp.end, None, selectable=False) for sp in layout.glue]
-        segs.sort(key=lambda sg: sg.start)
-        segs.append(Segment(layout.tail.start, layout.tail.end, None, selectable=False))
         miss_s = time.perf_counter() - t0 if miss_tokens else 0.0
-        return layout, segs, miss_s
+        return layout, _segments(layout, prefix_kv, kvs, exact), miss_s
 
     def _prepare_chat(self, messages: list[dict[str, str]], extra: list[Document], strat: Strategy, reserve: int):
         """A chat request: registered documents (and `extra`) found by content inside the messages are served from
@@ -561,6 +556,8 @@ class FusionEngine:
                  doc_ids: list[list[int]] | None = None, reserve: int = 0):
         """For a strategy with `reorders_documents` (infoflow's reorder): one selection pass over the given order,
         then the prompt again in the order `strat.document_order` asks for. Returns (layout, segs, seconds)."""
+        if getattr(strat, "compresses_documents", False):
+            return self._compress(question, docs, strat, ratio, layout, segs, reserve)
         if not getattr(strat, "reorders_documents", False) or len(docs) < 2:
             return layout, segs, 0.0
         t0 = time.perf_counter()
@@ -571,6 +568,56 @@ class FusionEngine:
         layout, segs, _ = self._prepare(question, [docs[i] for i in order], strat, [doc_ids[i] for i in order],
                                         reserve)
         return layout, segs, time.perf_counter() - t0
+
+
+    def _compress(self, question, docs: list[Document], strat: Strategy, ratio: float, layout, segs, reserve: int):
+        """For a strategy with `compresses_documents` (coinrag): one question probe over the whole documents, then
+        the prompt again with only the rows `strat.nuggets` keeps of each (their cache rows sliced, re-positioned
+        at their new positions; a document with none kept leaves with its title). Returns (layout, segs, s)."""
+        t0 = time.perf_counter()
+        every = [dataclasses.replace(sg, exact=False) for sg in segs]
+        ctx, _ = select_only(self.runner, layout.ids, every, strat, ratio)
+        if ctx is None or len(ctx.doc_spans) != len(layout.docs):  # a document without a cache: nothing to cut
+            return layout, segs, 0.0
+        by_start = {sg.start: sg.kv for sg in every if sg.kv is not None}
+        sentences = [sentence_spans(self._token_texts(ids.tolist()), strat.min_sentence_tokens)
+                     for ids in layout.doc_ids]
+        rows = strat.nuggets(ctx, sentences)
+        kept = [i for i, r in enumerate(rows) if r.numel()]
+        new = self.prompts.build(question, [layout.doc_ids[i][rows[i]].tolist() for i in kept],
+                                 [self.prompts.encode_title(docs[i]) for i in kept])
+        self._check_fits(new, [docs[i] for i in kept], reserve)
+        kvs = [_rows(by_start[layout.docs[i].start], rows[i]) for i in kept]
+        return new, _segments(new, every[0].kv, kvs, False), time.perf_counter() - t0
+
+    def _token_texts(self, ids: list[int]) -> list[str]:
+        """Each token's own text (memoised per token id)."""
+        memo = self.__dict__.setdefault("_token_text_memo", {})
+        out = []
+        for t in ids:
+            s = memo.get(t)
+            if s is None:
+                s = memo[t] = self.tokenizer.decode([t])
+            out.append(s)
+        return out
+
+
+def _segments(layout: PromptLayout, prefix_kv: DocKV | None, kvs: list, exact_first: bool) -> list[Segment]:
+    """Runner segments of a layout: the prefix (cached when `prefix_kv`), each document from its cache (the first
+    one exact when `exact_first`), glue and the tail computed."""
+    segs = [Segment(layout.prefix.start, layout.prefix.end, prefix_kv, selectable=False)]
+    segs += [Segment(sp.start, sp.end, kv, exact=exact_first and i == 0) for i, (sp, kv) in
+             enumerate(zip(layout.docs, kvs))]
+    segs += [Segment(sp.start, sp.end, None, selectable=False) for sp in layout.glue]
+    segs.sort(key=lambda sg: sg.start)
+    segs.append(Segment(layout.tail.start, layout.tail.end, None, selectable=False))
+    return segs
+
+
+def _rows(kv: DocKV, rows: torch.Tensor) -> DocKV:
+    """Some rows of a cached document, as a standalone copy (keys stay pre-RoPE: re-positioned where used)."""
+    idx = rows.to(kv.k.device)
+    return DocKV(kv.k.index_select(1, idx), kv.v.index_select(1, idx))
 
 
 _DOC_SLOT = "\x00KVFUSE-DOC-{}\x00"
