@@ -28,8 +28,10 @@ from .decode import Arena, Decoding, decode_rows
 from .runner import Runner, Segment
 from .scheduler import Request, Scheduler
 from .sampler import Sampler
+from .sift import IndexStore, compute_index, sparse_plan
 from .tracing import set_attributes, span
 from .store import DocKV, Namespace, fingerprint_tensors
+from .store.keys import content_key
 from .store.pool import KVPool
 from .types import AsyncGenerationStream, Document, GenerationResult, GenerationStream, PrecomputeReport, as_documents
 from .validate import check_int, check_real, check_strategy, check_text, check_token_ids
@@ -113,6 +115,7 @@ class FusionEngine:
                                        context_window=window, doc_runner=doc_runner)
         # requests run on the scheduler's thread, decoded together (engine/scheduler.py); other model work takes
         # the engine between two of its iterations (`self.scheduler.exclusive()`)
+        self.sift_indexes = IndexStore()  # sift's selective indexes, apart from the K/V caches (engine/sift.py)
         self.decoding = Decoding(self.runner, self._make_arena(), self.config.cuda_graphs)
         self.scheduler = Scheduler(self, self.decoding, self.config.max_batch_size, self.config.max_queued_requests,
                                    self.config.prefill_tokens_per_step)
@@ -158,6 +161,8 @@ class FusionEngine:
         """
         strat = None if strategy is None else make_strategy(strategy)
         docs = self._documents(docs, strat)
+        if getattr(strat, "sparse_index", False):  # sift: indexes only, never a K/V entry
+            return self._precompute_indexes(docs, strat)
         with self.scheduler.exclusive(), span("kvfuse.precompute", documents=len(docs)) as sp:
             t0 = time.perf_counter()
             doc_ids = self._encode_documents(docs)
@@ -175,6 +180,19 @@ class FusionEngine:
             set_attributes(sp, computed=after.misses - before.misses, tokens=tokens)
         return PrecomputeReport(hits=after.hits - before.hits, misses=after.misses - before.misses,
                                 tokens=tokens, seconds=time.perf_counter() - t0)
+
+    def _precompute_indexes(self, docs: list[Document], strat) -> PrecomputeReport:
+        with self.scheduler.exclusive(), span("kvfuse.precompute", documents=len(docs), strategy=strat.name):
+            t0 = time.perf_counter()
+            doc_ids = self._encode_documents(docs)
+            self._check_documents_fit(docs, doc_ids)
+            hits = tokens = 0
+            with _on_device(self.device):
+                for ids in doc_ids:
+                    _, hit = self._sift_index(ids, strat)
+                    hits += hit
+                    tokens += 0 if hit else len(ids)
+        return PrecomputeReport(hits=hits, misses=len(docs) - hits, tokens=tokens, seconds=time.perf_counter() - t0)
 
     def generate(self, question: str | None = None, docs: Iterable[Any] = (),
                  options: GenerationOptions | None = None, *, question_ids: Sequence[int] | None = None,
@@ -558,6 +576,10 @@ class FusionEngine:
         then the prompt again in the order `strat.document_order` asks for. Returns (layout, segs, seconds)."""
         if getattr(strat, "compresses_documents", False):
             return self._compress(question, docs, strat, ratio, layout, segs, reserve)
+        if getattr(strat, "sparse_index", False):
+            t0 = time.perf_counter()
+            strat.sparse_plan, strat.report = self._sift_plan(layout, strat)
+            return layout, segs, time.perf_counter() - t0
         if not getattr(strat, "reorders_documents", False) or len(docs) < 2:
             return layout, segs, 0.0
         t0 = time.perf_counter()
@@ -589,6 +611,37 @@ class FusionEngine:
         self._check_fits(new, [docs[i] for i in kept], reserve)
         kvs = [_rows(by_start[layout.docs[i].start], rows[i]) for i in kept]
         return new, _segments(new, every[0].kv, kvs, False), time.perf_counter() - t0
+
+    def _sift_index(self, ids: list[int], strat) -> tuple[Any, bool]:
+        """A document's selective index (engine/sift.py) from the index store, computed on a miss; (index, hit)."""
+        key = self._sift_key(ids, strat)
+        idx = self.sift_indexes.get(key)
+        if idx is not None:
+            return idx, True
+        idx = compute_index(self, ids, strat.block, strat.local_mass, strat.cross_mass)
+        self.sift_indexes.put(key, idx)
+        return idx, False
+
+    def _sift_key(self, ids: list[int], strat) -> str:
+        """An index's key: the cache key of the document after the prefix, bound to the index parameters."""
+        import hashlib
+
+        base = content_key(self.namespace, self.prompts.prefix_ids, ids)
+        return hashlib.sha256(f"{base}|{strat.index_params()}".encode()).hexdigest()
+
+    def _sift_plan(self, layout, strat):
+        """The block lists of a sift request, and its report (indexes hit / computed, density)."""
+        block = strat.kernel_block or (64 if self.device.type == "cuda" else 16)
+        docs, hits, computed = [], 0, 0
+        with _on_device(self.device):
+            for sp, ids in zip(layout.docs, layout.doc_ids):
+                idx, hit = self._sift_index(ids.tolist(), strat)
+                hits += hit
+                computed += not hit
+                docs.append((sp.start, sp.end, idx))
+            lists, counts, density = sparse_plan(layout.n, self.decoder.spec.n_layers, docs, block, self.device)
+        return (lists, counts, block), {"index_hits": hits, "index_computed": computed, "dense_documents": 0,
+                                        "density": round(density, 4), "kernel_block": block}
 
     def _token_texts(self, ids: list[int]) -> list[str]:
         """Each token's own text (memoised per token id)."""

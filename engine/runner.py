@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from ..kernels.attention import fused_attention
+from ..kernels.block_sparse import block_sparse_attention
 from ..kernels.causal import causal_attention
 from ..kernels.rope import apply_rope
 from ..kernels.scatter import scatter_rows
@@ -287,6 +288,7 @@ class Runner:
         rows_all = src.base_rows if probe_keys is None else src.base_rows[probe_keys]
         pos_all = kv_pos if probe_keys is None else probe_keys
         plain = not cached and probe_keys is None  # a plain causal prefill: no cache read, nothing to scatter
+        sparse = getattr(strategy, "sparse_plan", None) if plain else None
         per_active = rope_active = None
         for i in range(last_layer + 1):
             if plain:
@@ -297,7 +299,13 @@ class Runner:
                     cap_k.append(k[capture[0]:capture[1]].clone())
                     cap_v.append(v[capture[0]:capture[1]].clone())
                 c, s_ = cos[:n], sin[:n]
-                h = finish(i, h, causal_attention(apply_rope(q, c, s_), apply_rope(k, c, s_), v, spec.scale))
+                if sparse is not None:  # sift: each query block attends to its listed key blocks only
+                    lists, counts, block = sparse
+                    o = block_sparse_attention(apply_rope(q, c, s_), apply_rope(k, c, s_), v, lists[i], counts[i],
+                                               block, spec.scale)
+                else:
+                    o = causal_attention(apply_rope(q, c, s_), apply_rope(k, c, s_), v, spec.scale)
+                h = finish(i, h, o)
                 continue
             kpool, vpool = src.layer(i)
             src.prefetch(i + 1, last_layer + 1)

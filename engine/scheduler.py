@@ -109,6 +109,8 @@ class Request:
                            ttft_s=self.t_first - self.t_call)
         self.layout, self.miss_s, self.stats = layout, miss_s, (before, after)
         self.selection_s = out.selection_s + reorder_s
+        if getattr(strat, "report", None):  # e.g. sift's indexes and attention density
+            self.extra[strat.name] = dict(strat.report)
         self.recomputed = out.recomputed.tolist() if strat.uses_cache else []
         self.first_logits = out.logits.clone() if (n_teacher or self.return_logprobs) else None
         if n_teacher:

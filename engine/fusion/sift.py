@@ -1,0 +1,50 @@
+"""`sift` (SIFT, arXiv 2606.09441): no K/V reuse; every token computed, attention sparse by per-document indexes.
+
+The engine does the work (engine/sift.py): it looks up (or computes) each document's selective index, builds one
+list of key blocks per query block per layer, and hands it to the runner as `sparse_plan`; the runner's plain
+prefill then calls the block-sparse kernel instead of dense causal attention. The ratio is ignored.
+"""
+from __future__ import annotations
+
+from .base import SelectContext, Strategy, register
+
+
+@register
+class Sift(Strategy):
+    name = "sift"
+    uses_cache = False
+    ignores_ratio = True
+    graph_safe = False  # the block lists change per request
+    sparse_index = True
+
+    def __init__(self, block: int = 16, local_mass: float = 0.95, cross_mass: float = 0.9,
+                 kernel_block: int | None = None) -> None:
+        """
+        Args:
+            block: tokens per block of the index (document-local).
+            local_mass / cross_mass: attention mass the local / cross marks must cover, in (0, 1].
+            kernel_block: the kernel's block size (default: 64 on CUDA, 16 elsewhere).
+        """
+        for name, x in (("local_mass", local_mass), ("cross_mass", cross_mass)):
+            if not 0.0 < float(x) <= 1.0:
+                raise ValueError(f"{name} must be in (0, 1], got {x}")
+        if int(block) < 1:
+            raise ValueError(f"block must be >= 1, got {block}")
+        if kernel_block is not None and (int(kernel_block) < 16 or int(kernel_block) & (int(kernel_block) - 1)):
+            raise ValueError(f"kernel_block must be a power of two >= 16, got {kernel_block}")
+        self.block = int(block)
+        self.local_mass = float(local_mass)
+        self.cross_mass = float(cross_mass)
+        self.kernel_block = None if kernel_block is None else int(kernel_block)
+        self.sparse_plan = None  # set by the engine per request: (lists per layer, counts per layer, kernel block)
+        self.report: dict = {}
+
+    def index_params(self) -> str:
+        """What an index depends on besides the document (part of its key)."""
+        return f"sift|b={self.block}|l={self.local_mass!r}|c={self.cross_mass!r}"
+
+    def initial(self, ctx: SelectContext):
+        return ctx.candidates
+
+    def describe(self) -> str:
+        return self.name

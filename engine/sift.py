@@ -1,0 +1,259 @@
+"""SIFT: a selective index per document instead of its K/V cache, and a block-sparse prefill that reads it.
+
+No K/V is stored. Per document, one prefill of the document alone after the shared prefix measures, at every
+layer, how the document's queries spread their attention over its own keys (averaged over heads, summed per block
+of `block` tokens). Two bit sets are kept per layer:
+
+- **local** [n_blocks, n_blocks] (lower triangle): for each query block, the fewest key blocks of the document
+  that hold `local_mass` of its attention to the document (local attention invariance: what a document attends to
+  within itself hardly changes with what surrounds it);
+- **cross** [n_blocks]: the fewest key blocks that receive `cross_mass` of all the document's attention to itself
+  (cross-attention consistency: keys a document attends to strongly are also what later documents attend to).
+
+At request time every token is computed (positions are exact, nothing is stale), but a document's queries attend
+only to: the prefix and the glue rows (titles), their own local window (their block and the one before), their
+document's locally marked blocks, and earlier documents' cross-marked blocks. The question and anything without an
+index attend densely. The kernel (kernels/block_sparse.py) takes one list of key blocks per query block per layer.
+
+Indexes are keyed like caches (namespace, prefix, document tokens) and held apart from K/V caches, in memory; they
+serialise to a few kilobytes (`SiftIndex.to_bytes`: magic, the key, shapes, packed bits, sha256) so they can ride
+with a document (node metadata). A missing, corrupt or mismatched index means a dense prefill for that document,
+counted in the result (`extra["sift"]`), never a failure.
+"""
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ..kernels.rope import apply_rope
+
+__all__ = ["SiftIndex", "IndexStore", "compute_index", "sparse_plan", "MAGIC"]
+
+MAGIC = b"KVFSIFT1"
+
+
+@dataclass
+class SiftIndex:
+    """The selective index of one document.
+
+    Attributes:
+        block: tokens per block (document-local blocks, from the document's first token).
+        n_tokens: the document's length in tokens.
+        local: [n_layers, nb, nb] bool; row q: key blocks query block q attends within the document.
+        cross: [n_layers, nb] bool; key blocks later documents attend.
+    """
+
+    block: int
+    n_tokens: int
+    local: Tensor
+    cross: Tensor
+
+    @property
+    def n_blocks(self) -> int:
+        return int(self.cross.shape[1])
+
+    def density(self) -> float:
+        """Share of the causal (query block, key block) pairs of the document kept by `local`."""
+        nb = self.n_blocks
+        return float(self.local.sum()) / max(1, self.local.shape[0] * nb * (nb + 1) // 2)
+
+    # -- bytes -------------------------------------------------------------------------------------------------
+    def to_bytes(self, key: str) -> bytes:
+        """magic | key (64 hex) | n_layers, n_blocks, block, n_tokens (u32) | packed local lower triangle | packed
+        cross | sha256 of everything before."""
+        n_layers, nb = self.cross.shape
+        tri = torch.tril_indices(nb, nb)
+        local = self.local[:, tri[0], tri[1]].cpu().numpy().astype(np.uint8)
+        body = (MAGIC + key.encode("ascii") + struct.pack("<4I", n_layers, nb, self.block, self.n_tokens)
+                + np.packbits(local.reshape(-1)).tobytes() + np.packbits(self.cross.cpu().numpy().reshape(-1)
+                                                                         .astype(np.uint8)).tobytes())
+        return body + hashlib.sha256(body).digest()
+
+    @classmethod
+    def from_bytes(cls, data: bytes, key: str, n_layers: int, n_tokens: int) -> SiftIndex | None:
+        """The index in `data` when it is intact and made for exactly this key (model, tokenizer, layout, prefix,
+        document tokens), `n_layers` and `n_tokens`; None otherwise (the caller prefills that document densely)."""
+        try:
+            if not isinstance(data, (bytes, bytearray)) or len(data) < len(MAGIC) + 64 + 16 + 32:
+                return None
+            body, digest = bytes(data[:-32]), bytes(data[-32:])
+            if hashlib.sha256(body).digest() != digest or not body.startswith(MAGIC):
+                return None
+            at = len(MAGIC)
+            if body[at:at + 64] != key.encode("ascii"):
+                return None
+            layers, nb, block, tokens = struct.unpack("<4I", body[at + 64:at + 80])
+            if layers != n_layers or tokens != n_tokens or block < 1 or nb != -(-tokens // block):
+                return None
+            n_tri = nb * (nb + 1) // 2
+            bits = np.unpackbits(np.frombuffer(body[at + 80:], dtype=np.uint8))
+            need_local = layers * n_tri
+            if bits.size < need_local + layers * nb or len(body[at + 80:]) != (
+                    -(-need_local // 8) + -(-(layers * nb) // 8)):
+                return None
+            local_bits = bits[:need_local].reshape(layers, n_tri)
+            cross_start = -(-need_local // 8) * 8
+            cross = torch.from_numpy(bits[cross_start:cross_start + layers * nb].reshape(layers, nb).astype(bool))
+            local = torch.zeros(layers, nb, nb, dtype=torch.bool)
+            tri = torch.tril_indices(nb, nb)
+            local[:, tri[0], tri[1]] = torch.from_numpy(local_bits.astype(bool))
+            return cls(block, tokens, local, cross)
+        except (ValueError, struct.error, IndexError):
+            return None
+
+
+def _fewest_covering(mass: Tensor, share: float) -> Tensor:
+    """Bool mask of the fewest entries of each row of `mass` (>= 0) whose sum reaches `share` of the row's sum."""
+    order = torch.argsort(mass, dim=-1, descending=True)
+    sorted_mass = torch.gather(mass, -1, order)
+    total = sorted_mass.sum(-1, keepdim=True).clamp_min(1e-30)
+    before = (sorted_mass.cumsum(-1) - sorted_mass) / total  # mass strictly before each entry
+    keep_sorted = before < share
+    out = torch.zeros_like(keep_sorted)
+    return out.scatter(-1, order, keep_sorted)
+
+
+@torch.inference_mode()
+def compute_index(engine, doc_ids: list[int], block: int = 16, local_mass: float = 0.95,
+                  cross_mass: float = 0.9, rows_per_chunk: int = 512) -> SiftIndex:
+    """Prefills the document alone after the engine's prefix and measures its attention (see the module doc)."""
+    dec = engine.decoder
+    spec = dec.spec
+    prefix = engine.doc_cache.prefix_kv()
+    p = int(prefix.k.shape[1])
+    ids = torch.as_tensor(doc_ids, dtype=torch.long, device=dec.device)
+    n = int(ids.numel())
+    nb = -(-n // block)
+    cos, sin = engine.runner.rope(p + n)
+    pos = torch.arange(p + n, device=dec.device)
+    local = torch.zeros(spec.n_layers, nb, nb, dtype=torch.bool)
+    cross = torch.zeros(spec.n_layers, nb, dtype=torch.bool)
+    group = spec.n_heads // spec.n_kv_heads
+    blk = torch.arange(n, device=dec.device) // block  # each document token's block
+    h = dec.embed_tokens(ids)
+    for i in range(spec.n_layers):
+        q, k, v = dec.project(i, h)
+        kk = torch.cat([prefix.k[i].to(k.dtype), k])
+        vv = torch.cat([prefix.v[i].to(v.dtype), v])
+        qr = apply_rope(q, cos[p:p + n], sin[p:p + n]).float()
+        kr = apply_rope(kk, cos[:p + n], sin[:p + n]).float().repeat_interleave(group, dim=1)
+        vf = vv.float().repeat_interleave(group, dim=1)
+        outs = []
+        mass = torch.zeros(nb, nb, device=dec.device)  # [query block, key block] of attention within the doc
+        for a in range(0, n, rows_per_chunk):
+            b = min(n, a + rows_per_chunk)
+            s = torch.einsum("thd,khd->htk", qr[a:b], kr) * spec.scale
+            s = s.masked_fill(pos[None, None, :] > (p + torch.arange(a, b, device=dec.device))[None, :, None],
+                              float("-inf"))
+            pr = torch.softmax(s, dim=-1)
+            outs.append(torch.einsum("htk,khd->thd", pr, vf).to(q.dtype))
+            doc = pr[:, :, p:].mean(0)  # [rows, n] over heads
+            per_key_block = torch.zeros(b - a, nb, device=dec.device).index_add_(1, blk, doc)
+            mass.index_add_(0, blk[a:b], per_key_block)
+        h = dec.finish(i, h, torch.cat(outs))
+        mass = torch.tril(mass)
+        local[i] = (_fewest_covering(mass, local_mass) & torch.tril(torch.ones(nb, nb, dtype=torch.bool,
+                                                                                 device=mass.device))).cpu()
+        cross[i] = _fewest_covering(mass.sum(0)[None], cross_mass)[0].cpu()
+    return SiftIndex(block, n, local, cross)
+
+
+def _block_map(start: int, n_tokens: int, block_loc: int, block_abs: int, n_abs: int) -> Tensor:
+    """[nb_local, n_abs] bool: which absolute kernel blocks each document-local block's tokens fall in."""
+    nb = -(-n_tokens // block_loc)
+    lo = start + torch.arange(nb) * block_loc
+    hi = torch.clamp(lo + block_loc, max=start + n_tokens) - 1
+    first, last = lo // block_abs, hi // block_abs
+    cols = torch.arange(n_abs)
+    return (cols[None, :] >= first[:, None]) & (cols[None, :] <= last[:, None])
+
+
+def sparse_plan(n: int, n_layers: int, docs: list[tuple[int, int, SiftIndex | None]], block: int,
+                device) -> tuple[list[Tensor], list[Tensor], float]:
+    """Per layer (key-block lists [NB, M] int32, counts [NB] int32) for a prompt of `n` tokens; and the density
+    (share of the causal block pairs attended, averaged over layers).
+
+    Args:
+        docs: (start, end, index or None) of each document in prompt order; every other row (prefix, glue, tail)
+            is dense both ways (it attends to everything before it, and everything attends to it).
+        block: the kernel's block size.
+    """
+    nb = -(-n // block)
+    tril = torch.tril(torch.ones(nb, nb, dtype=torch.bool))
+    doc_rows = torch.zeros(n, dtype=torch.bool)
+    for s, e, _ in docs:
+        doc_rows[s:e] = True
+    blk = torch.arange(n) // block
+    other_blocks = torch.zeros(nb, dtype=torch.bool)
+    other_blocks[blk[~doc_rows]] = True  # blocks holding any dense row (as query: all before; as key: seen by all)
+    maps = [(s, e, idx, _block_map(s, e - s, idx.block, block, nb) if idx is not None else None)
+            for s, e, idx in docs]
+    lists, counts, dens = [], [], 0.0
+    eye = torch.eye(nb, dtype=torch.bool)
+    window = eye | torch.diag(torch.ones(nb - 1, dtype=torch.bool), -1)
+    for layer in range(n_layers):
+        m = window.clone()
+        m[other_blocks] = True
+        m[:, other_blocks] = True
+        for s, e, idx, pm in maps:
+            q_blocks = torch.zeros(nb, dtype=torch.bool)
+            q_blocks[blk[s:e]] = True
+            if idx is None:  # no usable index: this document's rows attend densely
+                m[q_blocks] = True
+                continue
+            pmf = pm.float()
+            m |= (pmf.T @ idx.local[layer].float() @ pmf) > 0  # its own marked blocks, mapped to kernel blocks
+            keys = (idx.cross[layer].float() @ pmf) > 0
+            later = torch.zeros(nb, dtype=torch.bool)
+            later[blk[e - 1]:] = True  # queries from the document's last block on (the later documents)
+            m |= later[:, None] & keys[None, :]
+        m &= tril
+        dens += float(m.sum()) / float(tril.sum())
+        cnt = m.sum(1).to(torch.int32)
+        width = int(cnt.max())
+        order = torch.argsort((~m).to(torch.int8), dim=1, stable=True)[:, :width]  # listed blocks first, ascending
+        lists.append(order.to(torch.int32).to(device))
+        counts.append(cnt.to(device))
+    return lists, counts, dens / max(1, n_layers)
+
+
+class IndexStore:
+    """Selective indexes in memory, least recently used dropped past `budget_bytes` (serialised size)."""
+
+    def __init__(self, budget_bytes: int = 64 << 20) -> None:
+        self.budget = int(budget_bytes)
+        self._items: OrderedDict[str, tuple[SiftIndex, int]] = OrderedDict()
+        self.bytes = 0
+        self.hits = self.misses = 0
+
+    def get(self, key: str) -> SiftIndex | None:
+        item = self._items.get(key)
+        if item is None:
+            self.misses += 1
+            return None
+        self._items.move_to_end(key)
+        self.hits += 1
+        return item[0]
+
+    def put(self, key: str, index: SiftIndex) -> None:
+        size = len(index.to_bytes(key))
+        old = self._items.pop(key, None)
+        if old is not None:
+            self.bytes -= old[1]
+        self._items[key] = (index, size)
+        self.bytes += size
+        while self.bytes > self.budget and len(self._items) > 1:
+            _, (_, s) = self._items.popitem(last=False)
+            self.bytes -= s
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._items
+
+    def __len__(self) -> int:
+        return len(self._items)

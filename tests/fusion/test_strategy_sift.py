@@ -1,0 +1,102 @@
+"""sift: every token computed, attention restricted by per-document indexes. Full marks equal full prefill; the
+block lists follow the index exactly (a hand-built index gives the hand-built mask); low marks really drop
+attention; indexes round-trip through bytes and any damage or mismatch is refused; precompute stores indexes only."""
+from __future__ import annotations
+
+import torch
+
+from kvfuse.engine.fusion import make_strategy
+from kvfuse.engine.sift import SiftIndex, sparse_plan
+
+from cases import DOCS, QUESTION
+
+LONG = [("l1", "The western ridge holds three abandoned copper mines, worked from 1820 until the floods of 1871. "
+               "Miners walked from Esk each morning along the river path, and the company store sold lamps, rope "
+               "and bread. The mines closed when the river changed course and flooded the lower galleries."),
+        ("l2", "Larkspur's first director, Mara Quill, was born in Esk and trained as a surveyor before astronomy. "
+               "She mapped the ridge, wrote two books on comets, and retired to the coast in 1890 after a long "
+               "dispute with the university over the funding of a new telescope dome.")]
+
+
+def test_full_marks_equal_full_prefill(tiny_engine):
+    engine = tiny_engine("llama")
+    docs = DOCS + LONG
+    answer = engine.generate(QUESTION, docs, strategy="full", max_new_tokens=6).token_ids
+    full = engine.next_token_logprobs(QUESTION, docs, answer, strategy="full")
+    every = make_strategy("sift", block=4, local_mass=1.0, cross_mass=1.0)
+    got = engine.next_token_logprobs(QUESTION, docs, answer, strategy=every)
+    torch.testing.assert_close(got, full, atol=1e-4, rtol=0)
+    sparse = make_strategy("sift", block=4, local_mass=0.5, cross_mass=0.3, kernel_block=16)
+    low = engine.next_token_logprobs(QUESTION, docs, answer, strategy=sparse)
+    assert sparse.report["density"] < 1.0
+    assert (low - full).abs().max() > 1e-3  # attention really dropped: the comparison above can fail
+
+
+def test_generation_reports_indexes_and_reuses_them(tiny_engine):
+    engine = tiny_engine("llama")
+    r1 = engine.generate(QUESTION, DOCS + LONG, strategy="sift", block=4, max_new_tokens=3)
+    r2 = engine.generate(QUESTION, DOCS + LONG, strategy="sift", block=4, max_new_tokens=3)
+    assert r1.extra["sift"]["index_computed"] == 5 and r2.extra["sift"]["index_hits"] == 5
+    assert r1.token_ids == r2.token_ids and 0 < r2.extra["sift"]["density"] <= 1.0
+    assert r1.recomputed_tokens == r1.doc_tokens  # every token computed
+
+
+def test_precompute_stores_indexes_not_caches(tiny_engine):
+    engine = tiny_engine("llama")
+    entries = engine.cache_stats()["memory_entries"]
+    rep = engine.precompute(DOCS + LONG, strategy="sift")
+    assert rep.misses == 5 and len(engine.sift_indexes) == 5
+    assert engine.cache_stats()["memory_entries"] <= entries + 1  # the shared prompt prefix only: no document entry
+    assert engine.precompute(DOCS + LONG, strategy="sift").hits == 5
+
+
+def _index(n_layers, nb, block, n_tokens, local_rows, cross):
+    local = torch.zeros(n_layers, nb, nb, dtype=torch.bool)
+    for q, ks in local_rows.items():
+        local[:, q, ks] = True
+    cr = torch.zeros(n_layers, nb, dtype=torch.bool)
+    cr[:, cross] = True
+    return SiftIndex(block, n_tokens, local, cr)
+
+
+def test_block_lists_follow_the_index():
+    # prompt: prefix [0, 4), doc A [4, 20) (4 local blocks of 4), doc B [20, 36), tail [36, 40); kernel blocks of 4
+    a = _index(1, 4, 4, 16, {0: [0], 1: [1], 2: [0, 2], 3: [3]}, [1])
+    b = _index(1, 4, 4, 16, {0: [0], 1: [1], 2: [2], 3: [1, 3]}, [0])
+    lists, counts, density = sparse_plan(40, 1, [(4, 20, a), (20, 36, b)], 4, "cpu")
+    m = torch.zeros(10, 10, dtype=torch.bool)
+    for qb in range(10):
+        for kb in lists[0][qb, :counts[0][qb]].tolist():
+            m[qb, kb] = True
+    want = torch.zeros(10, 10, dtype=torch.bool)
+    want[:, 0] = True  # the prefix (a dense block) is seen by everyone
+    want[0, 0] = want[9, :] = True  # the prefix and the tail attend densely
+    for qb in range(1, 10):
+        want[qb, qb] = want[qb, qb - 1] = True  # local window
+    want[3, 1] = True  # doc A's block 2 marks its block 0 (kernel block 1)
+    want[8, 6] = True  # doc B's block 3 marks its block 1 (kernel block 6)
+    want[4:, 2] = True  # doc A's cross mark (its block 1 = kernel block 2) seen from its last block on
+    want[8:, 5] = True  # doc B's cross mark (kernel block 5) from its last block on
+    want &= torch.tril(torch.ones(10, 10, dtype=torch.bool))
+    assert torch.equal(m, want), (m.int(), want.int())
+    assert 0 < density < 1
+    # no index: that document's rows attend densely
+    lists, counts, _ = sparse_plan(40, 1, [(4, 20, None), (20, 36, b)], 4, "cpu")
+    assert counts[0][1:5].tolist() == [2, 3, 4, 5]
+
+
+def test_index_bytes_round_trip_and_refuse_damage():
+    idx = _index(3, 4, 4, 14, {0: [0], 1: [0, 1], 2: [2], 3: [1, 3]}, [0, 2])
+    key = "ab" * 32
+    data = idx.to_bytes(key)
+    back = SiftIndex.from_bytes(data, key, 3, 14)
+    assert back is not None and torch.equal(back.local, idx.local) and torch.equal(back.cross, idx.cross)
+    assert SiftIndex.from_bytes(data, "cd" * 32, 3, 14) is None  # another document / model / prefix
+    assert SiftIndex.from_bytes(data, key, 4, 14) is None  # another model depth
+    assert SiftIndex.from_bytes(data, key, 3, 15) is None  # another length
+    for at in (0, 10, 80, len(data) // 2, len(data) - 1):
+        bad = bytearray(data)
+        bad[at] ^= 0x01
+        assert SiftIndex.from_bytes(bytes(bad), key, 3, 14) is None
+    assert SiftIndex.from_bytes(data[:-5], key, 3, 14) is None
+    assert SiftIndex.from_bytes(b"", key, 3, 14) is None and SiftIndex.from_bytes("text", key, 3, 14) is None
