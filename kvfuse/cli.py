@@ -38,14 +38,14 @@ def _engine(args):
         config["memory_budget_bytes"] = _size(budget, "--memory-budget")
     return FusionEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype,
                                         cache_dir=args.cache_dir, disk_cache=not getattr(args, "no_disk_cache", False),
-                                        adapter=_adapter_arg(getattr(args, "adapter", "default")), **config)
+                                        adapter=_adapter_arg(getattr(args, "adapter", None)), **config)
 
 
 def _adapter_arg(value):
-    """--adapter: "default", "none" (None) or a file path (checked when the engine loads it)."""
-    if value is None or value == "default":
-        return "default"
-    return None if value.lower() == "none" else value
+    """--adapter: "none" (None), "packaged" or a file path (checked when the engine loads it)."""
+    if value is None or value.lower() == "none":
+        return None
+    return value
 
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20, "MIB": 1 << 20,
@@ -77,9 +77,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-dir", default=None, help="converted weights and document caches "
                                                      "(default: $KVFUSE_CACHE_DIR or ~/.cache/kvfuse)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
-    p.add_argument("--adapter", default="default",
-                   help="fusion adapter applied when documents are computed: 'default' (the one shipped for the "
-                        "model, if any), 'none', or a .safetensors file from `kvfuse train-adapter`")
+    p.add_argument("--adapter", default="none",
+                   help="fusion adapter applied when documents are computed: 'none' (default), 'packaged' (the one "
+                        "shipped for the model), or a .safetensors file from `kvfuse train-adapter`")
     p.add_argument("--redis-url", default=os.environ.get("KVFUSE_REDIS_URL") or None,
                    help="a Redis server shared by several engines as a cache tier behind memory and disk, e.g. "
                         "redis://host:6379/0 (default: $KVFUSE_REDIS_URL, else none; needs the redis extra)")

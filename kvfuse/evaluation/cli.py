@@ -76,9 +76,9 @@ def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="tiny end-to-end check (SmolLM2, 2 bundled examples, full,reuse,cacheblend,epic at 0.15, "
                         "8 new tokens); exits non-zero when any check fails")
     p.add_argument("--adapter", default=None,
-                   help="fusion adapter: 'default' (shipped for the model, if any), 'none', or a .safetensors file; "
+                   help="fusion adapter: 'none' (default), 'packaged' (shipped for the model), or a .safetensors file; "
                         "runs with one are recorded as '<strategy>+adapter' beside those without, and the report "
-                        "shows both when both are on record (default: default)")
+                        "shows both when both are on record")
     p.add_argument("--device", help="engine device (default: the engine's choice)")
     p.add_argument("--dtype", help="engine dtype, e.g. bfloat16 or float32 (default: the engine's choice)")
     p.add_argument("--no-progress", action="store_true", dest="no_progress", help="no progress bar")
@@ -151,7 +151,7 @@ def _resolve(args: argparse.Namespace) -> dict[str, Any]:
         "max_new_tokens": mnt,
         "prompt": str(get("prompt")),
         "out": None if out is None else Path(out),
-        "adapter": getattr(args, "adapter", None) or "default",
+        "adapter": getattr(args, "adapter", None) or "none",
         "device": getattr(args, "device", None),
         "dtype": getattr(args, "dtype", None),
         "pareto_x": getattr(args, "pareto_x", None) or "fraction",
@@ -168,10 +168,13 @@ def _adapter_for(value: str, model: str) -> Any:
     """--adapter resolved before any model work: None, or the adapter file's path (checked readable)."""
     if value.lower() == "none":
         return None
-    if value == "default":
+    if value == "packaged":
         from kvfuse.engine.adapter import packaged_adapter
 
-        return packaged_adapter(model)
+        path = packaged_adapter(model)
+        if path is None:
+            raise ValueError(f"--adapter packaged: no fusion adapter is shipped for {model!r}")
+        return path
     from kvfuse.engine.adapter import load_adapter
 
     load_adapter(value)  # a clear error now for a missing or malformed file

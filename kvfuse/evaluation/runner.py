@@ -218,7 +218,7 @@ class RunStats:
 
 
 def load_engine(model: str, device: str | None = None, dtype: str | None = None, prompt: str = "qa",
-                adapter: Any = "default") -> Any:
+                adapter: Any = None) -> Any:
     """`FusionEngine.from_pretrained(model, device=..., dtype=..., prompt=PROMPT_PRESETS[prompt], adapter=...)`
     (device and dtype only when given)."""
     try:

@@ -113,3 +113,20 @@ def test_training_lowers_the_distillation_loss(tiny_engine, tmp_path):
     assert ad.meta["steps"] == "12"
     assert (tmp_path / "ad.json").is_file()
     assert dataclasses.asdict(cfg)["rank"] == 4
+
+
+def test_the_packaged_adapter_is_intact_and_opt_in(tiny_model):
+    """The adapter shipped for the embedded model reads back (safetensors, no pickle), fits Qwen2.5-0.5B's shapes
+    and carries its training record; `adapter="packaged"` for a model without one is a clear error."""
+    from kvfuse.engine.adapter import packaged_adapter
+    from kvfuse.engine.api import FusionEngine
+
+    path = packaged_adapter("qwen2.5-coder-0.5b")
+    assert path is not None and path.stat().st_size < 20e6
+    ad = load_adapter(path)
+    assert ad.A["q"].shape == (24, ad.rank, 896) and ad.B["k"].shape == (24, 128, ad.rank)
+    assert ad.meta["model"] == "qwen2.5-coder-0.5b" and path.with_suffix(".json").is_file()
+    assert packaged_adapter("no-such-model") is None
+    with pytest.raises(ValueError, match="no fusion adapter is shipped"):
+        FusionEngine.from_pretrained(str(tiny_model("llama")), device="cpu", dtype="fp32", disk_cache=False,
+                                     adapter="packaged")
