@@ -36,6 +36,9 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--data", default=None)
     ap.add_argument("--docs", type=int, default=40)
+    ap.add_argument("--prompts", type=int, default=0, help="also the attention density of this many eval prompts "
+                                                           "(the first of each dataset in `kvfuse eval`'s order)")
+    ap.add_argument("--datasets", default="2wikimqa,hotpotqa")
     a = ap.parse_args()
     print(f"| shape | document tokens | index bytes | K/V bytes (bf16) | K/V / index |")
     print("|---|---:|---:|---:|---:|")
@@ -48,7 +51,10 @@ def main() -> None:
         from kvfuse.engine.fusion import make_strategy
         from kvfuse.evaluation.data import read_jsonl
 
-        eng = FusionEngine.from_pretrained(a.model, device="cpu", disk_cache=False, adapter=None)
+        from kvfuse.engine.prompt import PROMPT_PRESETS
+
+        eng = FusionEngine.from_pretrained(a.model, device="cpu", disk_cache=False, adapter=None,
+                                           prompt=PROMPT_PRESETS["qa"])  # the eval's prompt
         strat = make_strategy("sift", block=a.block)
         seen, rows = set(), []
         for ex in read_jsonl(a.data):
@@ -63,6 +69,19 @@ def main() -> None:
                              kv_bytes(len(ids), spec.n_layers, spec.n_kv_heads, spec.head_dim), idx.density()))
             if len(rows) >= a.docs:
                 break
+        if a.prompts:
+            from kvfuse.evaluation.data import select_examples
+
+            for name in a.datasets.split(","):
+                dens = []
+                for ex in select_examples(read_jsonl(a.data), datasets=[name], limit=a.prompts, seed=0):
+                    layout = eng.layout(ex.question, ex.docs)
+                    strat.sparse_plan = None
+                    _, rep = eng._sift_plan(layout, strat)
+                    dens.append((layout.n, rep["density"]))
+                print(f"{name}: {len(dens)} prompts, median {statistics.median(d[0] for d in dens):.0f} tokens, "
+                      f"attention density (kernel blocks of 16) mean {statistics.mean(d[1] for d in dens):.3f}, "
+                      f"min {min(d[1] for d in dens):.3f}")
         med = lambda i: statistics.median(r[i] for r in rows)  # noqa: E731
         print(f"\n{eng.model_name}, {len(rows)} dev passages: median {med(0):.0f} tokens, index {med(1):,.0f} B, "
               f"K/V {med(2):,.0f} B ({med(2) / med(1):,.0f}x), local density {med(3):.2f} "
