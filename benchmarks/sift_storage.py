@@ -40,7 +40,7 @@ def main() -> None:
                                                            "(the first of each dataset in `kvfuse eval`'s order)")
     ap.add_argument("--datasets", default="2wikimqa,hotpotqa")
     a = ap.parse_args()
-    print(f"| shape | document tokens | index bytes | K/V bytes (bf16) | K/V / index |")
+    print("| shape | document tokens | index bytes | K/V bytes (bf16) | K/V / index |")
     print("|---|---:|---:|---:|---:|")
     for name, s in SHAPES.items():
         for n in (256, 512, 1024, 4096):
