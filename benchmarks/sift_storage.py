@@ -57,12 +57,14 @@ def main() -> None:
                                            prompt=PROMPT_PRESETS["qa"])  # the eval's prompt
         strat = make_strategy("sift", block=a.block)
         seen, rows = set(), []
+        from kvfuse.engine.types import as_documents
+
         for ex in read_jsonl(a.data):
-            for pid, title, text in ex.passages:
-                if pid in seen or len(rows) >= a.docs:
+            for doc in as_documents(ex.docs):
+                if doc.id in seen or len(rows) >= a.docs:
                     continue
-                seen.add(pid)
-                ids = eng.prompts.encode_document(ex.docs[[p[0] for p in ex.passages].index(pid)])
+                seen.add(doc.id)
+                ids = eng.prompts.encode_document(doc)
                 idx, _ = eng._sift_index(ids, strat)
                 spec = eng.decoder.spec
                 rows.append((len(ids), len(idx.to_bytes(eng._sift_key(ids, strat))),

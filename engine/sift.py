@@ -120,8 +120,8 @@ def _fewest_covering(mass: Tensor, share: float) -> Tensor:
 
 
 @torch.inference_mode()
-def compute_index(engine, doc_ids: list[int], block: int = 16, local_mass: float = 0.95,
-                  cross_mass: float = 0.9, rows_per_chunk: int = 512) -> SiftIndex:
+def compute_index(engine, doc_ids: list[int], block: int = 16, local_mass: float = 0.8,
+                  cross_mass: float = 0.5, rows_per_chunk: int = 512) -> SiftIndex:
     """Prefills the document alone after the engine's prefix and measures its attention (see the module doc)."""
     dec = engine.decoder
     spec = dec.spec
@@ -180,18 +180,22 @@ def sparse_plan(n: int, n_layers: int, docs: list[tuple[int, int, SiftIndex | No
     (share of the causal block pairs attended, averaged over layers).
 
     Args:
-        docs: (start, end, index or None) of each document in prompt order; every other row (prefix, glue, tail)
-            is dense both ways (it attends to everything before it, and everything attends to it).
+        docs: (start, end, index or None) of each document in prompt order. The prefix (rows before the first
+            document) is seen by every query and the tail (rows after the last) sees everything; glue rows between
+            documents (titles) get the local window only.
         block: the kernel's block size.
     """
     nb = -(-n // block)
     tril = torch.tril(torch.ones(nb, nb, dtype=torch.bool))
-    doc_rows = torch.zeros(n, dtype=torch.bool)
-    for s, e, _ in docs:
-        doc_rows[s:e] = True
     blk = torch.arange(n) // block
-    other_blocks = torch.zeros(nb, dtype=torch.bool)
-    other_blocks[blk[~doc_rows]] = True  # blocks holding any dense row (as query: all before; as key: seen by all)
+    first = min((s for s, _, _ in docs), default=n)
+    last = max((e for _, e, _ in docs), default=n)
+    dense_q = torch.zeros(nb, dtype=torch.bool)  # blocks with a prefix or tail row: they attend to everything before
+    dense_q[blk[:first]] = True
+    dense_q[blk[last:]] = True
+    dense_k = torch.zeros(nb, dtype=torch.bool)  # the prefix (system prompt, attention sink): seen by every query
+    dense_k[blk[:first]] = True
+    # glue between documents (titles) is neither: its rows attend like their neighbours (window), the tail sees it
     maps = [(s, e, idx, _block_map(s, e - s, idx.block, block, nb) if idx is not None else None)
             for s, e, idx in docs]
     lists, counts, dens = [], [], 0.0
@@ -199,8 +203,8 @@ def sparse_plan(n: int, n_layers: int, docs: list[tuple[int, int, SiftIndex | No
     window = eye | torch.diag(torch.ones(nb - 1, dtype=torch.bool), -1)
     for layer in range(n_layers):
         m = window.clone()
-        m[other_blocks] = True
-        m[:, other_blocks] = True
+        m[dense_q] = True
+        m[:, dense_k] = True
         for s, e, idx, pm in maps:
             q_blocks = torch.zeros(nb, dtype=torch.bool)
             q_blocks[blk[s:e]] = True

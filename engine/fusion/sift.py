@@ -17,7 +17,7 @@ class Sift(Strategy):
     graph_safe = False  # the block lists change per request
     sparse_index = True
 
-    def __init__(self, block: int = 16, local_mass: float = 0.95, cross_mass: float = 0.9,
+    def __init__(self, block: int = 16, local_mass: float = 0.8, cross_mass: float = 0.5,
                  kernel_block: int | None = None) -> None:
         """
         Args:
