@@ -22,8 +22,8 @@ On CUDA that check costs one host sync per call (a few tiny reductions, then one
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from .causal import token_major_sdpa
 from .dispatch import choose_backend
 
 __all__ = ["block_sparse_attention", "block_sparse_attention_reference", "block_sparse_attention_triton",
@@ -148,18 +148,8 @@ def _mask(block_lists, block_counts, block_size, t):
 def block_sparse_attention_reference(q, k, v, block_lists, block_counts, block_size, scale):
     """Pure torch (also the CPU path): the dense mask of the lists, one masked SDPA call with GQA."""
     check_inputs(q, k, v, block_lists, block_counts, block_size)
-    t, hq, _ = q.shape
-    hkv = k.shape[1]
-    mask = _mask(block_lists, block_counts, block_size, t)                     # [T, T]
-    qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-    if q.device.type == "cuda" and hq != hkv:
-        # as in causal.py: the fused CUDA kernels want equal head counts
-        kh = kh.repeat_interleave(hq // hkv, dim=1)
-        vh = vh.repeat_interleave(hq // hkv, dim=1)
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
-    else:
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=hq != hkv)
-    return out[0].transpose(0, 1).contiguous()
+    mask = _mask(block_lists, block_counts, block_size, q.shape[0])  # [T, T]
+    return token_major_sdpa(q, k, v, scale, attn_mask=mask)
 
 
 def block_sparse_attention_triton(q, k, v, block_lists, block_counts, block_size, scale, **overrides):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["causal_attention"]
+__all__ = ["causal_attention", "token_major_sdpa"]
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -26,12 +26,20 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     hq, hkv = q.shape[1], k.shape[1]
     if hq % hkv:
         raise ValueError(f"q heads ({hq}) must be a multiple of kv heads ({hkv})")
+    return token_major_sdpa(q, k, v, scale, is_causal=True)
+
+
+def token_major_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, is_causal: bool = False,
+                     attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """One SDPA call over token-major [T, H, D] tensors (GQA handled), back to [T, Hq, D]."""
+    hq, hkv = q.shape[1], k.shape[1]
     qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
     if q.device.type == "cuda" and hq != hkv:
         # the fused CUDA kernels want equal head counts; repeating K/V is cheap next to the attention itself
         kh = kh.repeat_interleave(hq // hkv, dim=1)
         vh = vh.repeat_interleave(hq // hkv, dim=1)
-        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
     else:
-        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=hq != hkv)
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
+                                             enable_gqa=hq != hkv)
     return out[0].transpose(0, 1).contiguous()
