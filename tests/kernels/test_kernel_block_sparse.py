@@ -3,10 +3,6 @@ softmax attention built by hand in float64 (sparse lists), the Triton kernel (in
 and the input checks."""
 from __future__ import annotations
 
-import importlib.util
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -14,7 +10,7 @@ from kvfuse.kernels.block_sparse import (block_sparse_attention, block_sparse_at
                                          dense_block_lists, mask_from_block_lists)
 from kvfuse.kernels.causal import causal_attention
 
-from kernel_cases import assert_rule
+from kernel_cases import assert_rule, can_compile_for_nvidia, run_compile_script
 
 
 def _qkv(t, hq, hkv, d, seed=0, dtype=torch.float32):
@@ -277,19 +273,6 @@ print("ok")
 """
 
 
-def _can_compile_for_nvidia() -> bool:
-    if importlib.util.find_spec("triton") is None:
-        return False
-    try:
-        from triton.backends import backends
-    except Exception:
-        return False
-    return "nvidia" in backends
-
-
-@pytest.mark.skipif(not _can_compile_for_nvidia(), reason="needs triton with its NVIDIA backend")
+@pytest.mark.skipif(not can_compile_for_nvidia(), reason="needs triton with its NVIDIA backend")
 def test_kernel_compiles_for_sm90():
-    done = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, timeout=600)
-    if done.returncode != 0 and "ptxas" in done.stderr and "not found" in done.stderr.lower():
-        pytest.skip("ptxas unavailable")
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-4000:]
+    run_compile_script(_COMPILE)

@@ -6,11 +6,9 @@ a subprocess because this test session has the interpreter switched on.
 """
 from __future__ import annotations
 
-import importlib.util
-import subprocess
-import sys
-
 import pytest
+
+from kernel_cases import can_compile_for_nvidia, run_compile_script
 
 _SCRIPT = r"""
 import os
@@ -73,19 +71,6 @@ print("ok")
 """
 
 
-def _can_compile_for_nvidia() -> bool:
-    if importlib.util.find_spec("triton") is None:
-        return False
-    try:
-        from triton.backends import backends
-    except Exception:
-        return False
-    return "nvidia" in backends
-
-
-@pytest.mark.skipif(not _can_compile_for_nvidia(), reason="needs triton with its NVIDIA backend")
+@pytest.mark.skipif(not can_compile_for_nvidia(), reason="needs triton with its NVIDIA backend")
 def test_kernels_compile_for_sm90():
-    done = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, timeout=600)
-    if done.returncode != 0 and "ptxas" in done.stderr and "not found" in done.stderr.lower():
-        pytest.skip("ptxas unavailable")
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-4000:]
+    run_compile_script(_SCRIPT)

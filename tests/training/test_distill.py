@@ -3,8 +3,6 @@ adapter and recompute-all all match the engine's paths; training lowers the dist
 keys the caches; files round-trip and bad ones are refused."""
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -112,7 +110,6 @@ def test_training_lowers_the_distillation_loss(tiny_engine, tmp_path):
     ad = load_adapter(tmp_path / "ad.safetensors")
     assert ad.meta["steps"] == "12"
     assert (tmp_path / "ad.json").is_file()
-    assert dataclasses.asdict(cfg)["rank"] == 4
 
 
 def test_the_packaged_adapter_is_intact_and_opt_in(tiny_model):
