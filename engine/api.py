@@ -642,7 +642,7 @@ class FusionEngine:
                 computed += not hit
                 docs.append((sp.start, sp.end, idx))
             lists, counts, density = sparse_plan(layout.n, self.decoder.spec.n_layers, docs, block, self.device)
-        return (lists, counts, block), {"index_hits": hits, "index_computed": computed, "dense_documents": 0,
+        return (lists, counts, block), {"index_hits": hits, "index_computed": computed,
                                         "density": round(density, 4), "kernel_block": block}
 
     def _token_texts(self, ids: list[int]) -> list[str]:
