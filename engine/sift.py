@@ -16,9 +16,10 @@ document's locally marked blocks, and earlier documents' cross-marked blocks. Th
 index attend densely. The kernel (kernels/block_sparse.py) takes one list of key blocks per query block per layer.
 
 Indexes are keyed like caches (namespace, prefix, document tokens) and held apart from K/V caches, in memory; they
-serialise to a few kilobytes (`SiftIndex.to_bytes`: magic, the key, shapes, packed bits, sha256) so they can ride
-with a document (node metadata). A missing, corrupt or mismatched index means a dense prefill for that document,
-counted in the result (`extra["sift"]`), never a failure.
+serialise to a few kilobytes (`SiftIndex.to_bytes`: magic, the key, shapes, packed bits, sha256) and
+`SiftIndex.from_bytes` refuses (None) any damaged or mismatched one. The engine computes a missing index on first
+use (`extra["sift"]["index_computed"]`); `sparse_plan` gives a document without an index dense attention. Carrying
+indexes with documents (node metadata) is not wired yet.
 """
 from __future__ import annotations
 
