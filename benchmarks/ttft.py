@@ -37,6 +37,9 @@ SHAPES = {
     "qwen7b": ("Qwen2Config", dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                                    num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
                                    max_position_embeddings=131072, rope_theta=1000000.0)),
+    "qwen05b": ("Qwen2Config", dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                                    num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
+                                    max_position_embeddings=32768, rope_theta=1000000.0, tie_word_embeddings=True)),
     "tiny": ("LlamaConfig", dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
                                  num_key_value_heads=2, vocab_size=4096, max_position_embeddings=65536)),
 }
@@ -185,7 +188,8 @@ def main() -> int:
     ap.add_argument("--cuda-graphs", type=int, default=1, help="1: repeated prefills replay CUDA graphs")
     ap.add_argument("--layouts", default="first-sight,repeated",
                     help="first-sight: every timed request a new random layout (document count and lengths; its "
-                         "documents precomputed, untimed); repeated: the same request every time (graph replay)")
+                         "documents precomputed, untimed); repeated: the same request every time (graph replay); "
+                         "cold-bucket: a new layout whose shape bucket has no graph yet (the padded path eagerly)")
     args = ap.parse_args()
 
     import transformers
@@ -247,7 +251,9 @@ def main() -> int:
 
                     def call(name=name, ratio=ratio, layout=layout):
                         qi, ds = q, docs
-                        if layout == "first-sight":
+                        if layout == "cold-bucket" and engine.runner.layout is not None:
+                            engine.runner.layout.reset()  # forget every bucket's graph: run eagerly
+                        if layout in ("first-sight", "cold-bucket"):
                             qi, ds = random_layout(engine, n, args.question_tokens, vocab, next(fresh))
                             engine.precompute(ds)  # cached, untimed: the layout is what is new
                             if name == "sift":
@@ -258,13 +264,19 @@ def main() -> int:
                         call.last = r
                         return r.ttft_s
 
+                    if engine.runner.layout is not None:  # bucket graph counters of this row alone
+                        engine.runner.layout.replays = engine.runner.layout.captures = 0
+                        engine.runner.layout.eager_runs = 0
                     t = time_call(call, args.reps, args.warmup)
                     r = call.last
                     fl = floors(model, r.prompt_tokens, r.recomputed_tokens, r.question_tokens, tflops, gbs)
                     floor = (fl["full"] if name in ("full", "sift") else fl["reuse"] if name == "reuse"
                              else fl["fused"])  # sift computes every token (its attention is sparse)
                     label = (name if name in ("full", "reuse", "sift") else f"{name}@{ratio:.0%}") + f" {layout}"
+                    lg = engine.runner.layout
+                    graphs = (f"{lg.replays}/{lg.captures}/{lg.eager_runs}" if lg is not None else "-")
                     rows.append({**base, "row": f"kvfuse {label}", "tier": tier, "ttft_ms": t * 1e3,
+                                 "bucket_replays_captures_eager": graphs,
                                  "vs_hf": hf / t, "floor_ms": floor, "measured_over_floor": t * 1e3 / floor,
                                  "selection_ms": r.selection_s * 1e3,
                                  "selection_share": r.selection_s / t, "recomputed": r.recomputed_tokens,
@@ -272,7 +284,9 @@ def main() -> int:
                                  "sift_density": (r.extra.get("sift") or {}).get("density")})
                     print(f"{shape} {n:6d}  kvfuse {label:<30} {tier:<4}  {t * 1e3:8.2f} ms  x{hf / t:6.2f} vs HF  "
                           f"floor {floor:7.2f} ms  sel {r.selection_s * 1e3:6.2f} ms  "
-                          f"recomputed {r.recomputed_tokens}/{r.doc_tokens}", flush=True)
+                          f"recomputed {r.recomputed_tokens}/{r.doc_tokens}  bucket graphs r/c/e {graphs}", flush=True)
+                    if lg is not None and lg.failed:
+                        print("  capture failures:", set(lg.failed.values()), flush=True)
                 engine.close()
                 del engine
                 if dev == "cuda":

@@ -92,7 +92,8 @@ class FusionEngine:
         self.device = self.decoder.device
         self.dtype = self.decoder.dtype
         self.runner = Runner(self.decoder, cuda_graphs=self.config.cuda_graphs,
-                             piecewise_graphs=self.config.piecewise_graphs)
+                             piecewise_graphs=self.config.piecewise_graphs,
+                             bucketed=self.config.bucketed_prefill)
         self.prompts = PromptBuilder(tokenizer, self.config.prompt)
         if adapter is not None and not isinstance(adapter, FusionAdapter):
             adapter = load_adapter(adapter)

@@ -57,6 +57,9 @@ class EngineConfig:
         piecewise_graphs: with cuda_graphs, also replay each layer's dense pieces of a never-seen layout from
             graphs per row bucket (engine/piecewise.py). Experimental, off by default: padded shapes change the
             GEMMs' rounding, so a first-sight request's tokens can differ from its repeated (whole-graph) replay.
+        bucketed_prefill: fused prefills of strategies whose choice is layout-free run padded to a shape bucket
+            with the layout as data, so one CUDA graph per bucket serves every layout (engine/bucketed.py).
+            None: on CUDA (graphed when `cuda_graphs`). True on the CPU runs the same padded path (tests).
         id_index_bytes: bound of the in-memory document-id -> content-key index (least recently used ids are
             forgotten beyond it; a forgotten id only loses its stale count).
         cache_secret: signs disk cache entries with HMAC-SHA256 and serves only entries signed with it, so a
@@ -94,6 +97,7 @@ class EngineConfig:
     scratch_tokens: int = 0
     cuda_graphs: bool = True
     piecewise_graphs: bool = False
+    bucketed_prefill: bool | None = None
     id_index_bytes: int = 16 << 20
     disk_retry_s: float = 60.0
     cache_secret: str | bytes | None = None
@@ -115,6 +119,8 @@ class EngineConfig:
         return secret.encode("utf-8") if isinstance(secret, str) else bytes(secret)
 
     def __post_init__(self) -> None:
+        if self.bucketed_prefill not in (None, True, False):
+            raise ValueError(f"bucketed_prefill must be None, True or False, got {self.bucketed_prefill!r}")
         if self.kv_tier not in ("auto", "pool", "host"):
             raise ValueError(f"kv_tier must be 'auto', 'pool' or 'host', got {self.kv_tier!r}")
         if self.memory_budget_bytes < 0 or self.disk_budget_bytes < 0 or self.id_index_bytes < 0:

@@ -28,6 +28,7 @@ from ..kernels.rope import apply_rope
 from ..kernels.scatter import scatter_rows
 from .fusion.base import SelectContext, Strategy
 from .models.base import Decoder
+from .bucketed import LayoutGraphs
 from .piecewise import DenseGraphs
 from .sources import PooledSource, make_source, pool_rows
 from .store.entry import DocKV
@@ -131,7 +132,8 @@ class Runner:
         decoder: the model, seen through its per-layer seam.
     """
 
-    def __init__(self, decoder: Decoder, cuda_graphs: bool = True, piecewise_graphs: bool = False) -> None:
+    def __init__(self, decoder: Decoder, cuda_graphs: bool = True, piecewise_graphs: bool = False,
+                 bucketed: bool | None = None) -> None:
         self.dec = decoder
         self.spec = decoder.spec
         self._cos = self._sin = None
@@ -139,6 +141,11 @@ class Runner:
         self.graphs = _GraphCache(self) if cuda_graphs and decoder.device.type == "cuda" else None
         # first-sight layouts: each layer's dense pieces replayed from graphs per row bucket (engine/piecewise.py)
         self.dense = DenseGraphs(decoder) if self.graphs is not None and piecewise_graphs else None
+        # layouts never seen before: one padded prefill per shape bucket, the layout as data (engine/bucketed.py);
+        # on CUDA by default, graphed when cuda_graphs is on
+        if bucketed is None:
+            bucketed = decoder.device.type == "cuda"
+        self.layout = LayoutGraphs(self, graphs=cuda_graphs) if bucketed else None
 
     # -- helpers ---------------------------------------------------------------------------------------
     def rope(self, n: int) -> tuple[Tensor, Tensor]:
@@ -196,6 +203,13 @@ class Runner:
         plan = _Plan(n=n, cached=cached, doc_spans=doc_spans, must_host=must_host, cand_host=cand_host,
                      extra_capacity=extra_capacity, want_logits=want_logits, capture=capture,
                      budget_tokens=budget_tokens)
+        bucket = self.layout.plan(plan, ids, strategy, ratio) if self.layout is not None else None
+        if bucket is not None:
+            self.rope(max(n + extra_capacity, bucket.nb + 1))
+            clock = self._clock()
+            logits, pending, recomputed = self.layout.run(bucket, strategy, ratio, clock)
+            return PrefillOutput(logits=logits, pending=pending, captured=None, recomputed=recomputed,
+                                 selection_s=clock.seconds())
         key = self._graph_key(plan, strategy, ratio)
         if key is not None:
             out = self.graphs.run(key, plan, ids, strategy, ratio)

@@ -97,12 +97,18 @@ class Strategy(ABC):
         ignores_ratio: True for strategies whose selection does not depend on the ratio (`reuse`).
         graph_safe: True when selection depends only on the context's tensors and the prompt layout (no host
             reads of tensor values, no per-document extras), so a CUDA graph of the prefill may replay it.
+        layout_free: True when the choice is the top `budget` of `scores(ctx)` (after a probe; only the question
+            attention and the candidates are read) or of `refine_scores` (one check layer), or `initial` depends on
+            the layout alone and runs on the host: one graph per shape bucket then serves every layout.
     """
 
     name: ClassVar[str] = ""
     uses_cache: ClassVar[bool] = True
     ignores_ratio: ClassVar[bool] = False
     graph_safe: ClassVar[bool] = False  # its selection is pure tensor work on the context (CUDA-graph replayable)
+    layout_free: ClassVar[bool] = False  # its choice is a top-k of `scores`/`refine_scores`, or a host function of
+    #   the layout alone: it runs in bucketed graphs whatever the layout (engine/bucketed.py)
+    refine_scores = None  # optional (fresh, cached) [T, kv_heads, head_dim] -> [T] scores of its one check layer
 
     def probe_layers(self, n_layers: int) -> tuple[int, ...]:
         """Layers at which the question probe records attention (empty: no probe)."""

@@ -14,6 +14,7 @@ from .base import SelectContext, Strategy, budget_for, register, topk_positions
 class CacheBlend(Strategy):
     name = "cacheblend"
     graph_safe = True
+    layout_free = True
 
     def __init__(self, check_layer: int = 1, gradual: bool = False, n_checks: int = 3,
                  first_ratio_factor: float = 2.0) -> None:
@@ -37,9 +38,13 @@ class CacheBlend(Strategy):
         first = min(1.0, ctx.ratio * self.first_ratio_factor)
         return first + (ctx.ratio - first) * step / (len(layers) - 1)
 
-    def refine(self, ctx: SelectContext):
+    @staticmethod
+    def refine_scores(fresh_k, cached_k):
+        """[T] deviation of the fresh pre-RoPE keys from the cached ones (L2 over heads and dims)."""
         from ...kernels.deviation import kv_deviation
 
+        return kv_deviation(fresh_k, cached_k)
+
+    def refine(self, ctx: SelectContext):
         k = ctx.budget_at(self._ratio_at(ctx))
-        dev = kv_deviation(ctx.fresh_k, ctx.cached_k)
-        return topk_positions(dev, ctx.active, k)
+        return topk_positions(self.refine_scores(ctx.fresh_k, ctx.cached_k), ctx.active, k)

@@ -53,6 +53,7 @@ def sentence_spans(texts: list[str], min_tokens: int = 6) -> list[tuple[int, int
 class CoinRAG(InfoFlow):
     name = "coinrag"
     graph_safe = False  # the prompt itself changes per request
+    layout_free = False
     compresses_documents = True
 
     def __init__(self, keep: float = 0.5, layers=None, depth: float = 1 / 3, min_sentence_tokens: int = 6) -> None:

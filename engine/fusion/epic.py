@@ -15,6 +15,7 @@ from .base import SelectContext, Strategy, register
 class Epic(Strategy):
     name = "epic"
     graph_safe = True
+    layout_free = True
 
     def __init__(self, max_per_doc: int | None = None) -> None:
         self.max_per_doc = max_per_doc

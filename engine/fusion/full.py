@@ -6,6 +6,7 @@ from .base import SelectContext, Strategy, register
 class Full(Strategy):
     name = "full"
     graph_safe = True
+    layout_free = True
     uses_cache = False
     ignores_ratio = True
 

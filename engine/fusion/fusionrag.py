@@ -27,6 +27,7 @@ class FusionRAG(ProphetKV):
     name = "fusionrag"
     cache_variant = "fusionrag"
     graph_safe = False  # not yet run under CUDA graphs
+    layout_free = False  # its caches are per-request variants
 
     def __init__(self, top_k: int = 10, context: str = "full", layers=None, n_probe: int = 6, lo: float = 0.25,
                  hi: float = 1.0) -> None:

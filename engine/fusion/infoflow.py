@@ -24,6 +24,7 @@ from .qattn import deep_layers, doc_index, layer_mean, resolve_layers
 class InfoFlow(Strategy):
     name = "infoflow"
     graph_safe = True
+    layout_free = True
 
     def __init__(self, layers=None, depth: float = 1 / 3, reorder: bool = False) -> None:
         """

@@ -16,6 +16,7 @@ from .qattn import layer_mean, resolve_layers, spread_layers
 class ProphetKV(Strategy):
     name = "prophetkv"
     graph_safe = True
+    layout_free = True
 
     def __init__(self, layers=None, n_probe: int = 6, lo: float = 0.25, hi: float = 1.0) -> None:
         """

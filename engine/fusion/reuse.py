@@ -6,4 +6,5 @@ from .base import Strategy, register
 class Reuse(Strategy):
     name = "reuse"
     graph_safe = True
+    layout_free = True
     ignores_ratio = True

@@ -1,0 +1,412 @@
+"""Layout-free fused prefills: one CUDA graph per shape bucket, the layout passed as data.
+
+Every RAG request brings a new layout (document count, lengths, which rows are recomputed), so a graph keyed by
+the exact layout almost never replays. Here the shapes of a prefill depend only on its *bucket*:
+
+- N: prompt rows, rounded up (8 steps per octave, so at most ~12% padding), keys past the prompt are masked by
+  position (they sit at positions >= n, after every real query);
+- M: rows that are always computed (question, chat suffix, glue), rounded up (4 steps per octave);
+- K: document rows recomputed, rounded up the same way (the real count is a device scalar).
+
+The layout (token ids, the pool row of every position, the candidate mask, the always-computed positions, the
+number of rows to keep) is copied into static buffers; padded query rows carry position -1, so they see no key,
+write their K/V to a trash row and are never read. Selection runs on the device: a strategy whose choice is a
+top-k of scores (`Strategy.scores` after a question probe, `Strategy.refine_scores` at a check layer) gets its
+top-K over the masked scores, the first `k` kept; a strategy whose choice depends on the layout alone (`epic`,
+`reuse`) is asked on the host, its positions copied in like the rest. `full` is a plain causal prefill padded to N.
+
+On CUDA this is the path of every eligible request, captured or not (`graphs=False` runs the same padded
+functions eagerly), so a request gives the same tokens whatever its layout's history. A bucket runs eagerly the
+first time it is seen and is captured the second time; selection (probe + top-k) is its own graph, so its time is
+measured apart (`selection_s`). The exact-layout graphs of `engine/runner.py` remain for what is not eligible.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..kernels.attention import fused_attention
+from ..kernels.attn_scores import attention_scores
+from ..kernels.causal import causal_attention
+from ..kernels.deviation import kv_deviation
+from ..kernels.rope import apply_rope
+from ..kernels.scatter import scatter_rows
+from .fusion.base import SelectContext
+from .sources import AssembledSource, PooledSource, pool_rows
+
+__all__ = ["bucket_size", "LayoutGraphs"]
+
+log = logging.getLogger("kvfuse.runner")
+
+
+def bucket_size(x: int, steps: int, minimum: int) -> int:
+    """x rounded up to the next of `steps` evenly spaced sizes per octave (at least `minimum`; 0 stays 0)."""
+    if x <= 0:
+        return 0
+    if x <= minimum:
+        return minimum
+    grain = max(1, (1 << (x.bit_length() - 1)) // steps)
+    return -(-x // grain) * grain
+
+
+@dataclass
+class _Host:
+    """Host facts of one request in its bucket."""
+
+    kind: str  # "plain" (full), "host" (chosen on the host), "probe" (top-k after a probe), "check" (cacheblend)
+    n: int
+    nb: int
+    m: int
+    mb: int
+    k: int
+    kb: int
+    key: tuple
+    packed: Tensor  # int64 [width]: every per-request input in one host tensor (one copy to the device)
+    must: Tensor  # [m] positions
+    pre: Tensor | None  # check kind: [p] positions computed through the check layer
+    base: Tensor | None  # [n] pool rows (None: plain)
+    pool: object = None  # the KVPool every cached row lives in (None: plain)
+    check: int = -1  # check kind: the check layer
+
+
+class _Inputs:
+    """Views of one packed int64 device buffer: the request's layout as data."""
+
+    def __init__(self, buf: Tensor, nb: int, mb: int, kb: int) -> None:
+        self.buf = buf
+        o = 0
+
+        def take(size: int) -> Tensor:
+            nonlocal o
+            view = buf[o:o + size]
+            o += size
+            return view
+
+        self.ids = take(nb)            # [N] token ids (0 past the prompt)
+        self.base = take(nb + 1)       # [N + 1] pool row of each position (+ a trash slot)
+        self.must = take(mb)           # [M] always-computed positions (-1 = padding)
+        self.cand = take(nb)           # [N] 1 where the position is a candidate document row
+        self.pre = take(nb)            # [N] check kind: slot p holds p if computed up to the check layer, else -1
+        self.chosen = take(kb)         # [K] host kind: chosen positions (-1 = padding)
+        self.scalars = take(2)         # [k, index of the last prompt row among the final active rows]
+
+    @staticmethod
+    def width(nb: int, mb: int, kb: int) -> int:
+        return nb + nb + 1 + mb + nb + nb + kb + 2
+
+
+def _real_first(pos: Tensor) -> Tensor:
+    """Positions sorted ascending with the -1 padding last."""
+    key = torch.where(pos >= 0, pos, torch.iinfo(torch.int64).max)
+    return pos[torch.sort(key).indices]
+
+
+class LayoutGraphs:
+    """Bucketed fused prefills of one Runner (see the module docstring).
+
+    Args:
+        runner: the Runner (its decoder, RoPE tables and clock).
+        graphs: capture and replay CUDA graphs (False: run the same padded functions eagerly).
+        max_graphs: buckets kept captured (least recently used dropped).
+        max_bytes: bound of the captured buckets' static outputs (their prompt K/V rows), least recently used
+            dropped beyond it; intermediates share one memory pool.
+    """
+
+    def __init__(self, runner, graphs: bool, max_graphs: int = 24, max_bytes: int = 8 << 30) -> None:
+        self.runner = runner
+        self.dec = runner.dec
+        self.spec = runner.spec
+        self.graphs = graphs and self.dec.device.type == "cuda"
+        self.max_graphs = max_graphs
+        self.max_bytes = max_bytes
+        self.sizes: dict = {}
+        self.seen: dict = {}
+        self.entries: dict = {}
+        self.failed: dict = {}  # bucket key -> why its capture failed (it runs eagerly for good)
+        self.pool = torch.cuda.graph_pool_handle() if self.graphs else None
+        self.replays = self.captures = self.eager_runs = 0
+
+    # -- host side --------------------------------------------------------------------------------------
+    def plan(self, plan, ids: Tensor, strategy, ratio: float) -> _Host | None:
+        """The request's bucket and packed inputs, or None when it is not eligible."""
+        if not getattr(strategy, "layout_free", False) or not plan.want_logits or plan.capture is not None:
+            return None
+        n, spec = plan.n, self.spec
+        cached = plan.cached
+        pool = None
+        if strategy.uses_cache and cached:
+            pools = {id(seg.kv.pool) for seg in cached}
+            pool = cached[0].kv.pool
+            if len(pools) != 1 or pool is None or pool.k.device != self.dec.device:
+                return None
+        if not strategy.uses_cache or not cached:
+            kind = "plain" if not strategy.uses_cache else None
+            if kind is None:  # nothing cached: the eager path is a plain prefill already
+                return None
+        elif strategy.probe_layers(spec.n_layers):
+            if strategy.check_layers(spec.n_layers) or not hasattr(strategy, "scores"):
+                return None
+            kind = "probe"
+        elif strategy.check_layers(spec.n_layers):
+            if len(strategy.check_layers(spec.n_layers)) != 1 or strategy.refine_scores is None:
+                return None
+            kind = "check"
+        else:
+            kind = "host"
+        nb = bucket_size(n, 8, 64)
+        if pool is not None and nb >= pool.scratch_rows:  # the last scratch row is the trash row
+            return None
+        must = torch.arange(n)[plan.must_host]
+        m = int(must.numel())
+        mb = bucket_size(m, 4, 16)
+        ctx = SelectContext(n_layers=spec.n_layers, ratio=ratio, candidates=plan.cand_host,
+                            doc_spans=plan.doc_spans, question=must, budget_tokens=plan.budget_tokens)
+        chosen = None
+        if kind == "plain":
+            k = 0
+        elif kind == "host":
+            chosen = torch.sort(strategy.initial(ctx).cpu().long()).values
+            k = int(chosen.numel())
+        else:
+            k = ctx.budget
+            if k == 0 and kind == "probe":  # nothing to choose: the probe's answer is not needed
+                kind, chosen = "host", torch.zeros(0, dtype=torch.long)
+        kb = bucket_size(k, 4, 16)
+        try:
+            opts = tuple(sorted((a, repr(b)) for a, b in vars(strategy).items()))
+        except TypeError:
+            return None
+        key = (type(strategy).__name__, opts, kind, nb, mb, kb, id(pool))
+        packed = torch.zeros(_Inputs.width(nb, mb, kb), dtype=torch.long)
+        v = _Inputs(packed, nb, mb, kb)
+        v.ids[:n] = ids.cpu()
+        base = None
+        if pool is not None:
+            base = pool_rows([(seg.start, seg.end, seg.kv) for seg in cached], n, pool)
+            v.base[:n] = base
+            v.base[n:] = base[0]  # keys past the prompt: masked by position; a row that holds finite values
+        v.must.fill_(-1)
+        v.must[:m] = must
+        v.cand[plan.cand_host] = 1
+        v.pre.fill_(-1)
+        pre = None
+        if kind == "check":
+            pre = torch.sort(torch.cat([must, plan.cand_host])).values
+            v.pre[pre] = pre
+        v.chosen.fill_(-1)
+        if chosen is not None:
+            v.chosen[:k] = chosen
+        a = n if kind == "plain" else m + k
+        v.scalars[0] = k
+        v.scalars[1] = a - 1
+        check = strategy.check_layers(spec.n_layers)[0] if kind == "check" else -1
+        return _Host(kind=kind, n=n, nb=nb, m=m, mb=mb, k=k, kb=kb, key=key, packed=packed, must=must, pre=pre,
+                     base=base, pool=pool, check=check)
+
+    # -- device side ------------------------------------------------------------------------------------
+    def _rows(self, pool, inp: _Inputs, act: Tensor, nb: int) -> tuple[Tensor, Tensor]:
+        """(rows [N]: pool row of each key with the active rows' scratch rows; dst [A]: where they write)."""
+        valid = act >= 0
+        trash = pool.scratch_start + pool.scratch_rows - 1
+        dst = torch.where(valid, pool.scratch_start + act, trash)
+        ext = inp.base.clone()
+        ext[torch.where(valid, act, nb)] = dst
+        return ext[:nb], dst
+
+    def _select(self, h: _Host, inp: _Inputs, strategy, ratio: float, pool) -> Tensor:
+        """Probe kind: the question over the re-positioned cache, scores, top-K -> [K] chosen (-1 padded)."""
+        dec, spec = self.dec, self.spec
+        cos, sin = self.runner._cos, self.runner._sin
+        layers = strategy.probe_layers(spec.n_layers)
+        kv_pos = torch.arange(h.nb, device=inp.buf.device)
+        act = inp.must
+        valid = act >= 0
+        cand = inp.cand > 0
+        rows, dst = self._rows(pool, inp, act, h.nb)
+        rope = (cos[act], sin[act])
+        x = dec.embed_tokens(inp.ids[act.clamp_min(0)])
+        probes = {}
+        for i in range(max(layers) + 1):
+            kp, vp = pool.k[i], pool.v[i]
+            q, k, v = dec.project(i, x)
+            scatter_rows(kp, dst, k)
+            scatter_rows(vp, dst, v)
+            qr = apply_rope(q, *rope)
+            if i in layers:
+                att = attention_scores(qr, act, kp, rows, kv_pos, cos, sin, spec.scale)   # [M, N]
+                probes[i] = torch.where(valid[:, None] & cand[None, :], att, 0.0)
+            if i < max(layers):
+                x = dec.finish(i, x, fused_attention(qr, act, kp, vp, rows, kv_pos, cos, sin, spec.scale))
+        ctx = SelectContext(n_layers=spec.n_layers, ratio=ratio, candidates=kv_pos, doc_spans=[], question=act,
+                            question_attention=probes)
+        return self._top(strategy.scores(ctx), cand, inp, h.kb)
+
+    @staticmethod
+    def _top(scores: Tensor, cand: Tensor, inp: _Inputs, kb: int) -> Tensor:
+        """[K] positions of the top-K candidate scores, ranks past the request's k set to -1."""
+        scores = torch.where(cand, scores.float(), float("-inf"))
+        top = torch.topk(scores, kb, sorted=True).indices
+        keep = torch.arange(kb, device=scores.device) < inp.scalars[0]
+        return torch.where(keep, top, -1)
+
+    def _main(self, h: _Host, inp: _Inputs, chosen: Tensor | None, strategy, pool):
+        """The fused layer loop -> (logits [vocab] fp32, per-layer (k, v), final active [A_b], recomputed [K_b])."""
+        dec, spec = self.dec, self.spec
+        cos, sin = self.runner._cos, self.runner._sin
+        dev = inp.buf.device
+        kv_pos = torch.arange(h.nb, device=dev)
+        fresh = []
+        if h.kind == "plain":
+            x = dec.embed_tokens(inp.ids)
+            c, s_ = cos[:h.nb], sin[:h.nb]
+            for i in range(spec.n_layers):
+                q, k, v = dec.project(i, x)
+                fresh.append((k, v))
+                x = dec.finish(i, x, causal_attention(apply_rope(q, c, s_), apply_rope(k, c, s_), v, spec.scale))
+            logits = dec.logits(x.index_select(0, inp.scalars[1:]))[0].float()
+            return logits, fresh, kv_pos, None
+        cand = inp.cand > 0
+        check = h.check
+        if h.kind == "check":
+            act = inp.pre
+        else:
+            act = _real_first(torch.cat([inp.must, chosen]))
+        rows, dst = self._rows(pool, inp, act, h.nb)
+        x = dec.embed_tokens(inp.ids[act.clamp_min(0)])
+        for i in range(spec.n_layers):
+            kp, vp = pool.k[i], pool.v[i]
+            q, k, v = dec.project(i, x)
+            if i == check:  # slot p is position p here: score every slot, keep the top candidates
+                score = strategy.refine_scores(k, kp.index_select(0, inp.base[:h.nb]))
+                chosen = self._top(score, cand, inp, h.kb)
+            scatter_rows(kp, dst, k)
+            scatter_rows(vp, dst, v)
+            fresh.append((k, v))
+            if i == check:  # the kept rows go on; at this layer every key is still the fresh one just written
+                act = _real_first(torch.cat([inp.must, chosen]))
+                sel = act.clamp_min(0)
+                q, x = q.index_select(0, sel), x.index_select(0, sel)
+            qr = apply_rope(q, cos[act], sin[act])
+            x = dec.finish(i, x, fused_attention(qr, act, kp, vp, rows, kv_pos, cos, sin, spec.scale))
+            if i == check:
+                rows, dst = self._rows(pool, inp, act, h.nb)
+        logits = dec.logits(x.index_select(0, inp.scalars[1:]))[0].float()
+        return logits, fresh, act, _real_first(chosen)
+
+    def _body(self, h: _Host, inp: _Inputs, strategy, ratio: float, pool, part: str):
+        if part == "select":
+            return self._select(h, inp, strategy, ratio, pool)
+        chosen = inp.chosen if h.kind in ("host", "probe") else None
+        return self._main(h, inp, chosen, strategy, pool)
+
+    def _capture(self, fn) -> tuple:
+        dev = self.dec.device
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):  # warm-up: allocator, cuBLAS workspaces, Triton compilation
+            fn()
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = fn()
+        return graph, out
+
+    def reset(self) -> None:
+        """Drops every captured bucket (they share one memory pool, so they go together) and starts a new pool."""
+        self.entries.clear()
+        self.sizes.clear()
+        self.seen.clear()
+        if self.graphs:
+            self.pool = torch.cuda.graph_pool_handle()
+
+    # -- one request ------------------------------------------------------------------------------------
+    def run(self, h: _Host, strategy, ratio: float, clock):
+        """Runs the request's bucket (replayed, captured, or eagerly) -> (logits, pending, recomputed)."""
+        dev = self.dec.device
+        pool = h.pool
+        entry = self.entries.get(h.key) if self.graphs else None
+        if entry is None and self.graphs and h.key not in self.failed:
+            self.seen[h.key] = self.seen.get(h.key, 0) + 1
+            if self.seen[h.key] >= 2:
+                entry = self._new_entry(h, strategy, ratio, pool)
+        if entry is not None:
+            self.entries[h.key] = self.entries.pop(h.key)  # most recently used last
+            inp, sel_graph, main_graph, out = entry
+            inp.buf.copy_(h.packed, non_blocking=True)
+            if sel_graph is not None:
+                clock.start()
+                sel_graph.replay()
+                clock.stop()
+            main_graph.replay()
+            self.replays += 1
+            logits, fresh, act, recomputed = out
+        else:
+            self.eager_runs += 1
+            inp = _Inputs(h.packed.to(dev, non_blocking=True), h.nb, h.mb, h.kb)
+            if h.kind == "probe":
+                clock.start()
+                inp.chosen.copy_(self._body(h, inp, strategy, ratio, pool, "select"))
+                clock.stop()
+            logits, fresh, act, recomputed = self._body(h, inp, strategy, ratio, pool, "main")
+        return self._outputs(h, logits.clone(), fresh, act, recomputed, pool)
+
+    def _new_entry(self, h: _Host, strategy, ratio: float, pool):
+        spec = self.spec
+        rows = h.nb if h.kind in ("plain", "check") else h.mb + h.kb
+        size = rows * spec.n_layers * 2 * spec.n_kv_heads * spec.head_dim * self.dec.embed.element_size()
+        if self.entries and (len(self.entries) >= self.max_graphs or sum(self.sizes.values()) + size > self.max_bytes):
+            self.reset()  # full: start over (rare; buckets are few)
+            self.seen[h.key] = 2
+        try:
+            inp = _Inputs(h.packed.to(self.dec.device), h.nb, h.mb, h.kb)
+            sel_graph = None
+            if h.kind == "probe":
+                sel_graph, chosen = self._capture(lambda: self._body(h, inp, strategy, ratio, pool, "select"))
+                # the select graph writes into the main graph's chosen input
+                sel_graph = _Chained(sel_graph, chosen, inp.chosen)
+            main_graph, out = self._capture(lambda: self._body(h, inp, strategy, ratio, pool, "main"))
+        except Exception as exc:  # noqa: BLE001  (a bucket that cannot be captured runs eagerly for good)
+            torch.cuda.synchronize()
+            self.failed[h.key] = f"{type(exc).__name__}: {exc}"
+            log.warning("bucket %s could not be captured (it runs eagerly): %s", h.key[2:6], self.failed[h.key])
+            return None
+        self.captures += 1
+        entry = self.entries[h.key] = (inp, sel_graph, main_graph, out)
+        self.sizes[h.key] = size
+        return entry
+
+    def _outputs(self, h: _Host, logits, fresh, act, recomputed, pool):
+        dev = self.dec.device
+        n = h.n
+        if h.kind == "plain":
+            src = AssembledSource([], n, (self.spec.n_kv_heads, self.spec.head_dim), self.dec.dtype, dev)
+            pos = torch.arange(n, device=dev)
+            pending = [(pos, k[:n], v[:n]) for k, v in fresh]
+            return logits, (src, pending, n), torch.arange(0)
+        a = h.m + h.k
+        final = act[:a]
+        pending = []
+        pre = h.pre.to(dev, non_blocking=True) if h.kind == "check" else None
+        for i, (k, v) in enumerate(fresh):
+            if i <= h.check:  # computed for every candidate up to the check layer (slot p = position p)
+                pending.append((pre, k.index_select(0, pre), v.index_select(0, pre)))
+            else:
+                pending.append((final, k[:a], v[:a]))
+        base = h.base.to(dev, non_blocking=True)
+        scratch = torch.arange(pool.scratch_start, pool.scratch_start + n, device=dev)
+        src = PooledSource.from_rows(pool, base, scratch)
+        return logits, (src, pending, n), recomputed[:h.k]
+
+
+class _Chained:
+    """A selection graph whose output is copied into the main graph's input."""
+
+    def __init__(self, graph, out: Tensor, dst: Tensor) -> None:
+        self.graph, self.out, self.dst = graph, out, dst
+
+    def replay(self) -> None:
+        self.graph.replay()
+        self.dst.copy_(self.out)

@@ -1,0 +1,130 @@
+"""Bucketed (layout-free) fused prefills against the exact-size path, on CPU (fp32 tiny models, pool tier).
+
+The bucketed path pads every shape to its bucket and passes the layout as data; padded queries sit at position -1
+and padded keys past the prompt. It must give the exact-size path's choice and logits for every eligible strategy,
+for layouts of different document counts and lengths that share one bucket (one graph would serve them all).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvfuse.engine.bucketed import bucket_size
+from kvfuse.engine.fusion import make_strategy
+from kvfuse.engine.types import as_documents
+
+from cases import DOCS, QUESTION
+
+LAYOUT_FREE = ["full", "reuse", "epic", "cacheblend", "infoflow", "prophetkv"]
+EXTRA = [("extra1", "Dunmore lies on the river Aller, two days by coach from Carvel and its old university."),
+         ("extra2", "The Helder range is volcanic; its slopes hold three observatories and a small ski resort.")]
+
+
+def _prefill(engine, question, docs, strategy, ratio):
+    strat = make_strategy(strategy)
+    layout, segs, _ = engine._prepare(question, as_documents(docs), strat)
+    out = engine.runner.prefill(layout.ids, segs, strat, ratio, extra_capacity=4)
+    seq = engine.decoding.open(out.pending, engine.decoding.arena.alloc(layout.n + 4), 4)
+    return layout, out, seq
+
+
+def test_bucket_sizes():
+    for x in range(1, 5000):
+        b = bucket_size(x, 8, 64)
+        assert b >= x and b >= 64
+        if x > 64:
+            assert (b - x) * 8 <= x  # at most 1/8 of padding
+        assert bucket_size(b, 8, 64) == b  # a bucket is its own bucket
+    assert bucket_size(0, 4, 16) == 0
+    assert [bucket_size(x, 4, 16) for x in (1, 16, 17, 33, 100, 1300)] == [16, 16, 20, 40, 112, 1536]
+
+
+@pytest.fixture(scope="module")
+def engines():
+    import fixtures
+
+    model, tok, info = fixtures.load_tiny("llama", dtype=torch.float32)
+    made = {flag: fixtures.engine_from(model, tok, info, kv_tier="pool", bucketed_prefill=flag, disk_budget_bytes=0)
+            for flag in (True, False)}
+    for e in made.values():
+        e.precompute(DOCS + EXTRA)
+    yield made
+    for e in made.values():
+        e.close()
+
+
+@pytest.mark.parametrize("strategy", LAYOUT_FREE)
+@pytest.mark.parametrize("docs", [DOCS, DOCS[:2], [EXTRA[0], *DOCS, EXTRA[1]]], ids=["3docs", "2docs", "5docs"])
+def test_bucketed_equals_exact_size(engines, strategy, docs):
+    bucketed, exact = engines[True], engines[False]
+    assert bucketed.runner.layout is not None and exact.runner.layout is None
+    runs = bucketed.runner.layout.eager_runs
+    layout, out, seq = _prefill(bucketed, QUESTION, docs, strategy, 0.3)
+    assert bucketed.runner.layout.eager_runs == runs + 1  # it did take the bucketed path
+    _, ref, ref_seq = _prefill(exact, QUESTION, docs, strategy, 0.3)
+    assert out.recomputed.tolist() == ref.recomputed.tolist()
+    torch.testing.assert_close(out.logits, ref.logits, rtol=0, atol=2e-5)
+    # what decoding reads: the same K/V behind every prompt position, in the arena
+    pool, ref_pool = bucketed.decoding.arena.pool, exact.decoding.arena.pool
+    for i in (0, 1, pool.k.shape[0] - 1):
+        torch.testing.assert_close(pool.k[i][seq.row_map[:layout.n]], ref_pool.k[i][ref_seq.row_map[:layout.n]],
+                                   rtol=0, atol=2e-5)
+        torch.testing.assert_close(pool.v[i][seq.row_map[:layout.n]], ref_pool.v[i][ref_seq.row_map[:layout.n]],
+                                   rtol=0, atol=2e-5)
+    bucketed.decoding.close(seq)
+    exact.decoding.close(ref_seq)
+
+
+def test_layouts_of_one_bucket_share_a_key(engines):
+    """Different document counts and lengths in one bucket: one key (so one graph), inputs as data."""
+    eng = engines[True]
+    keys = set()
+    for docs in (DOCS, [DOCS[2], DOCS[0], DOCS[1]], DOCS[::-1]):  # new positions, rows and exact document
+        strat = make_strategy("infoflow")
+        layout, segs, _ = eng._prepare(QUESTION, as_documents(docs), strat)
+        plan = _plan_of(eng.runner, layout.ids, segs, strat)
+        h = eng.runner.layout.plan(plan, layout.ids, strat, 0.3)
+        assert h is not None and h.nb >= layout.n
+        keys.add(h.key)
+    assert len(keys) == 1
+
+
+def _plan_of(runner, ids, segs, strat):
+    captured = {}
+
+    class Spy:
+        def plan(self, plan, ids, strategy, ratio):
+            captured["plan"] = plan
+            raise _Done
+
+    real = runner.layout
+    runner.layout = Spy()
+    try:
+        runner.prefill(ids, segs, strat, 0.3)
+    except _Done:
+        pass
+    finally:
+        runner.layout = real
+    return captured["plan"]
+
+
+class _Done(Exception):
+    pass
+
+
+def test_generation_matches_exact_size(engines):
+    """Whole requests (prefill and greedy decode) give the exact-size path's tokens."""
+    for strategy in ("infoflow", "cacheblend", "epic"):
+        a = engines[True].generate(QUESTION, DOCS, strategy=strategy, recompute_ratio=0.2, max_new_tokens=8)
+        b = engines[False].generate(QUESTION, DOCS, strategy=strategy, recompute_ratio=0.2, max_new_tokens=8)
+        assert a.token_ids == b.token_ids, strategy
+        assert a.recomputed_tokens == b.recomputed_tokens
+
+
+def test_ineligible_requests_take_the_exact_path(engines):
+    eng = engines[True]
+    runs = eng.runner.layout.eager_runs
+    eng.generate(QUESTION, DOCS, strategy="cacheblend", recompute_ratio=0.2, max_new_tokens=2,
+                 strategy_options={"gradual": True})  # several check layers: not layout-free
+    eng.generate(QUESTION, DOCS, strategy="qcfuse", recompute_ratio=0.2, max_new_tokens=2)
+    assert eng.runner.layout.eager_runs == runs
