@@ -6,7 +6,7 @@ the exact layout almost never replays. Here the shapes of a prefill depend only 
 - N: prompt rows, rounded up (8 steps per octave, so at most ~12% padding), keys past the prompt are masked by
   position (they sit at positions >= n, after every real query);
 - M: rows that are always computed (question, chat suffix, glue), rounded up (4 steps per octave);
-- K: document rows recomputed, rounded up the same way (the real count is a device scalar).
+- K: document rows recomputed, rounded up (8 steps per octave; the real count is a device scalar).
 
 The layout (token ids, the pool row of every position, the candidate mask, the always-computed positions, the
 number of rows to keep) is copied into static buffers; padded query rows carry position -1, so they see no key,
@@ -174,7 +174,7 @@ class LayoutGraphs:
             k = ctx.budget
             if k == 0 and kind == "probe":  # nothing to choose: the probe's answer is not needed
                 kind, chosen = "host", torch.zeros(0, dtype=torch.long)
-        kb = bucket_size(k, 4, 16)
+        kb = bucket_size(k, 8, 16)
         try:
             opts = tuple(sorted((a, repr(b)) for a, b in vars(strategy).items()))
         except TypeError:
