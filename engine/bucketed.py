@@ -31,7 +31,6 @@ from torch import Tensor
 from ..kernels.attention import fused_attention
 from ..kernels.attn_scores import attention_scores
 from ..kernels.causal import causal_attention
-from ..kernels.deviation import kv_deviation
 from ..kernels.rope import apply_rope
 from ..kernels.scatter import scatter_rows
 from .fusion.base import SelectContext
