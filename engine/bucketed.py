@@ -33,7 +33,8 @@ from ..kernels.attn_scores import attention_scores
 from ..kernels.causal import causal_attention
 from ..kernels.rope import apply_rope
 from ..kernels.scatter import scatter_rows
-from .fusion.base import SelectContext
+from .cudagraph import capture_graph
+from .fusion.base import SelectContext, signature
 from .sources import AssembledSource, PooledSource, pool_rows
 
 __all__ = ["bucket_size", "LayoutGraphs"]
@@ -64,9 +65,7 @@ class _Host:
     kb: int
     key: tuple
     packed: Tensor  # int64 [width]: every per-request input in one host tensor (one copy to the device)
-    must: Tensor  # [m] positions
     pre: Tensor | None  # check kind: [p] positions computed through the check layer
-    base: Tensor | None  # [n] pool rows (None: plain)
     pool: object = None  # the KVPool every cached row lives in (None: plain)
     check: int = -1  # check kind: the check layer
 
@@ -141,10 +140,10 @@ class LayoutGraphs:
             pool = cached[0].kv.pool
             if len(pools) != 1 or pool is None or pool.k.device != self.dec.device:
                 return None
-        if not strategy.uses_cache or not cached:
-            kind = "plain" if not strategy.uses_cache else None
-            if kind is None:  # nothing cached: the eager path is a plain prefill already
-                return None
+        if not strategy.uses_cache:
+            kind = "plain"
+        elif not cached:  # nothing cached: the exact-size path is a plain prefill already
+            return None
         elif strategy.probe_layers(spec.n_layers):
             if strategy.check_layers(spec.n_layers) or not hasattr(strategy, "scores"):
                 return None
@@ -158,7 +157,7 @@ class LayoutGraphs:
         nb = bucket_size(n, 8, 64)
         if pool is not None and nb >= pool.scratch_rows:  # the last scratch row is the trash row
             return None
-        must = torch.arange(n)[plan.must_host]
+        must = plan.must_pos
         m = int(must.numel())
         mb = bucket_size(m, 4, 16)
         ctx = SelectContext(n_layers=spec.n_layers, ratio=ratio, candidates=plan.cand_host,
@@ -174,15 +173,13 @@ class LayoutGraphs:
             if k == 0 and kind == "probe":  # nothing to choose: the probe's answer is not needed
                 kind, chosen = "host", torch.zeros(0, dtype=torch.long)
         kb = bucket_size(k, 8, 16)
-        try:
-            opts = tuple(sorted((a, repr(b)) for a, b in vars(strategy).items()))
-        except TypeError:
+        sig = signature(strategy)
+        if sig is None:
             return None
-        key = (type(strategy).__name__, opts, kind, nb, mb, kb, id(pool))
+        key = (*sig, kind, nb, mb, kb, id(pool))
         packed = torch.zeros(_Inputs.width(nb, mb, kb), dtype=torch.long)
         v = _Inputs(packed, nb, mb, kb)
         v.ids[:n] = ids.cpu()
-        base = None
         if pool is not None:
             base = pool_rows([(seg.start, seg.end, seg.kv) for seg in cached], n, pool)
             v.base[:n] = base
@@ -202,8 +199,8 @@ class LayoutGraphs:
         v.scalars[0] = k
         v.scalars[1] = a - 1
         check = strategy.check_layers(spec.n_layers)[0] if kind == "check" else -1
-        return _Host(kind=kind, n=n, nb=nb, m=m, mb=mb, k=k, kb=kb, key=key, packed=packed, must=must, pre=pre,
-                     base=base, pool=pool, check=check)
+        return _Host(kind=kind, n=n, nb=nb, m=m, mb=mb, k=k, kb=kb, key=key, packed=packed, pre=pre, pool=pool,
+                     check=check)
 
     # -- device side ------------------------------------------------------------------------------------
     def _rows(self, pool, inp: _Inputs, act: Tensor, nb: int) -> tuple[Tensor, Tensor]:
@@ -301,18 +298,6 @@ class LayoutGraphs:
         chosen = inp.chosen if h.kind in ("host", "probe") else None
         return self._main(h, inp, chosen, strategy, pool)
 
-    def _capture(self, fn) -> tuple:
-        dev = self.dec.device
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):  # warm-up: allocator, cuBLAS workspaces, Triton compilation
-            fn()
-        torch.cuda.current_stream(dev).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = fn()
-        return graph, out
-
     def reset(self) -> None:
         """Drops every captured bucket (they share one memory pool, so they go together) and starts a new pool."""
         self.entries.clear()
@@ -350,7 +335,7 @@ class LayoutGraphs:
                 inp.chosen.copy_(self._body(h, inp, strategy, ratio, pool, "select"))
                 clock.stop()
             logits, fresh, act, recomputed = self._body(h, inp, strategy, ratio, pool, "main")
-        return self._outputs(h, logits.clone(), fresh, act, recomputed, pool)
+        return self._outputs(h, inp, logits.clone(), fresh, act, recomputed)
 
     def _new_entry(self, h: _Host, strategy, ratio: float, pool):
         spec = self.spec
@@ -363,21 +348,25 @@ class LayoutGraphs:
             inp = _Inputs(h.packed.to(self.dec.device), h.nb, h.mb, h.kb)
             sel_graph = None
             if h.kind == "probe":
-                sel_graph, chosen = self._capture(lambda: self._body(h, inp, strategy, ratio, pool, "select"))
+                sel_graph, chosen = capture_graph(lambda: self._body(h, inp, strategy, ratio, pool, "select"),
+                                                  self.dec.device, self.pool)
                 # the select graph writes into the main graph's chosen input
                 sel_graph = _Chained(sel_graph, chosen, inp.chosen)
-            main_graph, out = self._capture(lambda: self._body(h, inp, strategy, ratio, pool, "main"))
+            main_graph, out = capture_graph(lambda: self._body(h, inp, strategy, ratio, pool, "main"),
+                                            self.dec.device, self.pool)
         except Exception as exc:  # noqa: BLE001  (a bucket that cannot be captured runs eagerly for good)
             torch.cuda.synchronize()
             self.failed[h.key] = f"{type(exc).__name__}: {exc}"
-            log.warning("bucket %s could not be captured (it runs eagerly): %s", h.key[2:6], self.failed[h.key])
+            log.warning("bucket %s could not be captured (it runs eagerly): %s", h.key[:-1], self.failed[h.key])
             return None
         self.captures += 1
         entry = self.entries[h.key] = (inp, sel_graph, main_graph, out)
         self.sizes[h.key] = size
         return entry
 
-    def _outputs(self, h: _Host, logits, fresh, act, recomputed, pool):
+    def _outputs(self, h: _Host, inp: _Inputs, logits, fresh, act, recomputed):
+        """(logits, pending for Decoding.open, recomputed positions); views of `inp` and of graph outputs, read by
+        the caller before the next prefill."""
         dev = self.dec.device
         n = h.n
         if h.kind == "plain":
@@ -394,9 +383,9 @@ class LayoutGraphs:
                 pending.append((pre, k.index_select(0, pre), v.index_select(0, pre)))
             else:
                 pending.append((final, k[:a], v[:a]))
-        base = h.base.to(dev, non_blocking=True)
+        pool = h.pool
         scratch = torch.arange(pool.scratch_start, pool.scratch_start + n, device=dev)
-        src = PooledSource.from_rows(pool, base, scratch)
+        src = PooledSource.from_rows(pool, inp.base[:n], scratch)  # the request's rows, already on the device
         return logits, (src, pending, n), recomputed[:h.k]
 
 

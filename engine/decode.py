@@ -19,6 +19,7 @@ from torch import Tensor
 from ..kernels.attention import fused_attention
 from ..kernels.decode_attention import decode_attention
 from ..kernels.rope import apply_rope
+from .cudagraph import capture_graph
 from .sources import PooledSource
 from .store.pool import KVPool
 
@@ -280,14 +281,7 @@ class _StepGraphs:
             ids = torch.zeros(bb, dtype=torch.long, device=dev)
             pos = torch.zeros(bb, dtype=torch.long, device=dev)
             rows = torch.full((bb, width), d.arena.dummy, dtype=torch.long, device=dev)
-            side = torch.cuda.Stream(dev)
-            side.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(side):  # warm-up (writes only the dummy row)
-                d.step_fn(ids, pos, rows)
-            torch.cuda.current_stream(dev).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                logits = d.step_fn(ids, pos, rows)
+            graph, logits = capture_graph(lambda: d.step_fn(ids, pos, rows), dev)  # writes only the dummy row
             if len(self.entries) >= self.max_graphs:
                 self.entries.pop(next(iter(self.entries)))
             entry = self.entries[key] = (graph, ids, pos, rows, logits, (d.runner._cos, d.runner._sin))

@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .cudagraph import capture_graph
+
 __all__ = ["DenseGraphs"]
 
 
@@ -60,16 +62,7 @@ class DenseGraphs:
         return b
 
     def _capture(self, fn) -> torch.cuda.CUDAGraph:
-        dev = self.dec.device
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):  # warm-up: cuBLAS workspaces, Triton compilation
-            fn()
-        torch.cuda.current_stream(dev).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            fn()
-        return graph
+        return capture_graph(fn, self.dec.device, self.pool)[0]
 
     def project(self, i: int, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """`Decoder.project(i, h)`; the outputs are views of static buffers, valid until this bucket's next

@@ -26,9 +26,10 @@ from ..kernels.block_sparse import block_sparse_attention
 from ..kernels.causal import causal_attention
 from ..kernels.rope import apply_rope
 from ..kernels.scatter import scatter_rows
-from .fusion.base import SelectContext, Strategy
-from .models.base import Decoder
 from .bucketed import LayoutGraphs
+from .cudagraph import capture_graph
+from .fusion.base import SelectContext, Strategy, signature
+from .models.base import Decoder
 from .piecewise import DenseGraphs
 from .sources import PooledSource, make_source, pool_rows
 from .store.entry import DocKV
@@ -49,6 +50,11 @@ class _Plan:
     want_logits: bool
     capture: tuple | None
     budget_tokens: int = 0  # document tokens the ratio applies to (exact documents included)
+
+    @property
+    def must_pos(self) -> Tensor:
+        """[M] sorted positions always computed (host)."""
+        return torch.arange(self.n)[self.must_host]
 
 
 class _NullClock:
@@ -185,7 +191,28 @@ class Runner:
         """
         dev = self.dec.device
         n = int(ids.numel())
-        # index sets are built on the host from the segment spans: no device round trip in the hot path
+        plan = self.plan(n, segments, strategy, extra_capacity=extra_capacity, capture=capture,
+                         want_logits=want_logits)
+        bucket = self.layout.plan(plan, ids, strategy, ratio) if self.layout is not None else None
+        if bucket is not None:
+            self.rope(max(n + extra_capacity, bucket.nb + 1))
+            clock = self._clock()
+            logits, pending, recomputed = self.layout.run(bucket, strategy, ratio, clock)
+            return PrefillOutput(logits=logits, pending=pending, captured=None, recomputed=recomputed,
+                                 selection_s=clock.seconds())
+        key = self._graph_key(plan, strategy, ratio)
+        if key is not None:
+            out = self.graphs.run(key, plan, ids, strategy, ratio)
+            if out is not None:
+                return out
+        self.rope(n + extra_capacity)
+        return self._device_prefill(plan, ids.to(dev), plan.cand_host.to(dev), plan.must_pos.to(dev), strategy,
+                                    ratio, self._clock())
+
+    def plan(self, n: int, segments: list[Segment], strategy: Strategy, *, extra_capacity: int = 0,
+             capture: tuple[int, int] | None = None, want_logits: bool = True) -> _Plan:
+        """The host facts of a prefill: which rows are cached, candidates, computed rows, the budget's base.
+        Index sets are built on the host from the segment spans: no device round trip in the hot path."""
         must_host = torch.ones(n, dtype=torch.bool)
         doc_spans, cached, budget_tokens = [], [], 0
         for seg in segments:
@@ -200,24 +227,9 @@ class Runner:
             raise RuntimeError("the last prompt token must be computed")
         arange = torch.arange(n)
         cand_host = torch.cat([arange[s:e] for s, e in doc_spans]) if doc_spans else arange[:0]
-        plan = _Plan(n=n, cached=cached, doc_spans=doc_spans, must_host=must_host, cand_host=cand_host,
+        return _Plan(n=n, cached=cached, doc_spans=doc_spans, must_host=must_host, cand_host=cand_host,
                      extra_capacity=extra_capacity, want_logits=want_logits, capture=capture,
                      budget_tokens=budget_tokens)
-        bucket = self.layout.plan(plan, ids, strategy, ratio) if self.layout is not None else None
-        if bucket is not None:
-            self.rope(max(n + extra_capacity, bucket.nb + 1))
-            clock = self._clock()
-            logits, pending, recomputed = self.layout.run(bucket, strategy, ratio, clock)
-            return PrefillOutput(logits=logits, pending=pending, captured=None, recomputed=recomputed,
-                                 selection_s=clock.seconds())
-        key = self._graph_key(plan, strategy, ratio)
-        if key is not None:
-            out = self.graphs.run(key, plan, ids, strategy, ratio)
-            if out is not None:
-                return out
-        self.rope(n + extra_capacity)
-        return self._device_prefill(plan, ids.to(dev), cand_host.to(dev), arange[must_host].to(dev), strategy,
-                                    ratio, self._clock())
 
     def _device_prefill(self, plan: _Plan, ids: Tensor, candidates: Tensor, must_pos: Tensor, strategy: Strategy,
                         ratio: float, clock, source=None) -> PrefillOutput:
@@ -260,12 +272,11 @@ class Runner:
         if plan.cached and (len(pools) != 1 or plan.cached[0].kv.pool is None
                             or plan.n > plan.cached[0].kv.pool.scratch_rows):
             return None
-        try:
-            opts = tuple(sorted((k, repr(v)) for k, v in vars(strategy).items()))
-        except TypeError:
+        sig = signature(strategy)
+        if sig is None:
             return None
         spans = tuple((seg.start, seg.end, seg.selectable, seg.exact) for seg in plan.cached)
-        return (type(strategy).__name__, opts, float(ratio), plan.n, plan.extra_capacity, spans, tuple(pools))
+        return (*sig, float(ratio), plan.n, plan.extra_capacity, spans, tuple(pools))
 
     @dataclass
     class _Run:
@@ -425,7 +436,7 @@ class _GraphCache:
         r.rope(plan.n + plan.extra_capacity)
         static_ids = ids.to(dev).clone()
         cand = plan.cand_host.to(dev)
-        must = torch.arange(plan.n)[plan.must_host].to(dev)
+        must = plan.must_pos.to(dev)
         source = None
         if plan.cached:
             pool = plan.cached[0].kv.pool
@@ -434,14 +445,8 @@ class _GraphCache:
         if r.dense is not None:
             r.dense.suspended += 1  # the whole prefill is captured: its dense pieces run eagerly inside
         try:
-            side = torch.cuda.Stream(dev)
-            side.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(side):  # warm-up: allocator, cuBLAS workspaces, Triton compilation
-                r._device_prefill(plan, static_ids, cand, must, strategy, ratio, _NullClock(), source)
-            torch.cuda.current_stream(dev).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = r._device_prefill(plan, static_ids, cand, must, strategy, ratio, _NullClock(), source)
+            graph, out = capture_graph(
+                lambda: r._device_prefill(plan, static_ids, cand, must, strategy, ratio, _NullClock(), source), dev)
         finally:
             if r.dense is not None:
                 r.dense.suspended -= 1

@@ -20,7 +20,8 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-__all__ = ["SelectContext", "Strategy", "register", "make_strategy", "available", "budget_for", "topk_positions"]
+__all__ = ["SelectContext", "Strategy", "register", "make_strategy", "available", "budget_for", "topk_positions",
+           "signature"]
 
 
 @dataclass
@@ -73,6 +74,15 @@ class SelectContext:
         """The budget at another ratio (e.g. a gradual schedule's): round(ratio * budget_tokens) <= candidates."""
         n = int(self.candidates.numel())
         return min(n, budget_for(ratio, n if self.budget_tokens is None else self.budget_tokens))
+
+
+def signature(strategy: "Strategy") -> tuple | None:
+    """(class name, sorted options as reprs): what a CUDA graph of a strategy's prefill is keyed by; None when an
+    option cannot be ordered."""
+    try:
+        return type(strategy).__name__, tuple(sorted((k, repr(v)) for k, v in vars(strategy).items()))
+    except TypeError:
+        return None
 
 
 def budget_for(ratio: float, n: int) -> int:

@@ -82,34 +82,11 @@ def test_layouts_of_one_bucket_share_a_key(engines):
     for docs in (DOCS, [DOCS[2], DOCS[0], DOCS[1]], DOCS[::-1]):  # new positions, rows and exact document
         strat = make_strategy("infoflow")
         layout, segs, _ = eng._prepare(QUESTION, as_documents(docs), strat)
-        plan = _plan_of(eng.runner, layout.ids, segs, strat)
+        plan = eng.runner.plan(layout.n, segs, strat)
         h = eng.runner.layout.plan(plan, layout.ids, strat, 0.3)
         assert h is not None and h.nb >= layout.n
         keys.add(h.key)
     assert len(keys) == 1
-
-
-def _plan_of(runner, ids, segs, strat):
-    captured = {}
-
-    class Spy:
-        def plan(self, plan, ids, strategy, ratio):
-            captured["plan"] = plan
-            raise _Done
-
-    real = runner.layout
-    runner.layout = Spy()
-    try:
-        runner.prefill(ids, segs, strat, 0.3)
-    except _Done:
-        pass
-    finally:
-        runner.layout = real
-    return captured["plan"]
-
-
-class _Done(Exception):
-    pass
 
 
 def test_generation_matches_exact_size(engines):
