@@ -23,7 +23,7 @@ from .fusion.select import reorder_documents, select_only
 from .models import build_decoder
 from .options import GenerationOptions
 from .profile import load_profile
-from .prompt import PromptBuilder, PromptLayout
+from .prompt import PromptBuilder, PromptLayout, Span
 from .decode import Arena, Decoding, decode_rows
 from .runner import Runner, Segment
 from .scheduler import Request, Scheduler
@@ -109,7 +109,7 @@ class FusionEngine:
         sliding = getattr(hf_model.config, "sliding_window", None) if getattr(
             hf_model.config, "use_sliding_window", True) else None
         window = min(self.decoder.spec.max_positions, sliding or 1 << 62)
-        self._shortest_tail = len(self.prompts.encode_tail(""))  # the question template around an empty question
+        self._shortest_tail = len(self.prompts.empty_tail)  # the question template around an empty question
         # the document caches: store, registry, offline extras and cache variants (see engine/doccache.py)
         doc_runner = None if adapter is None else Runner(AdaptedDecoder(self.decoder, adapter), cuda_graphs=False)
         self.doc_cache = DocumentCache(self.runner, self.prompts, self.namespace, self.config,
@@ -526,7 +526,7 @@ class FusionEngine:
         exact = (prefix_kv is not None and bool(layout.docs) and layout.docs[0].start == layout.prefix.end
                  and not getattr(strat, "cache_variant", None) and self.adapter is None)
         miss_s = time.perf_counter() - t0 if miss_tokens else 0.0
-        return layout, _segments(layout, prefix_kv, kvs, exact), miss_s
+        return layout, _segments(layout, prefix_kv, kvs, exact, self.prompts.question_span(layout)), miss_s
 
     def _prepare_chat(self, messages: list[dict[str, str]], extra: list[Document], strat: Strategy, reserve: int):
         """A chat request: registered documents (and `extra`) found by content inside the messages are served from
@@ -613,7 +613,7 @@ class FusionEngine:
                                  [self.prompts.encode_title(docs[i]) for i in kept])
         self._check_fits(new, [docs[i] for i in kept], reserve)
         kvs = [_rows(by_start[layout.docs[i].start], rows[i]) for i in kept]
-        return new, _segments(new, every[0].kv, kvs, False), time.perf_counter() - t0
+        return new, _segments(new, every[0].kv, kvs, False, self.prompts.question_span(new)), time.perf_counter() - t0
 
     def _sift_index(self, ids: list[int], strat) -> tuple[Any, bool]:
         """A document's selective index (engine/sift.py) from the index store, computed on a miss; (index, hit)."""
@@ -658,15 +658,24 @@ class FusionEngine:
         return out
 
 
-def _segments(layout: PromptLayout, prefix_kv: DocKV | None, kvs: list, exact_first: bool) -> list[Segment]:
+def _segments(layout: PromptLayout, prefix_kv: DocKV | None, kvs: list, exact_first: bool,
+              question: Span | None = None) -> list[Segment]:
     """Runner segments of a layout: the prefix (cached when `prefix_kv`), each document from its cache (the first
-    one exact when `exact_first`), glue and the tail computed."""
+    one exact when `exact_first`), glue and the tail computed; the tail's `question` rows (the question's own
+    tokens, `PromptBuilder.question_span`) marked as such."""
     segs = [Segment(layout.prefix.start, layout.prefix.end, prefix_kv, selectable=False)]
     segs += [Segment(sp.start, sp.end, kv, exact=exact_first and i == 0) for i, (sp, kv) in
              enumerate(zip(layout.docs, kvs))]
     segs += [Segment(sp.start, sp.end, None, selectable=False) for sp in layout.glue]
     segs.sort(key=lambda sg: sg.start)
-    segs.append(Segment(layout.tail.start, layout.tail.end, None, selectable=False))
+    t = layout.tail
+    if question is None or not t.start <= question.start < question.end <= t.end:
+        segs.append(Segment(t.start, t.end, None, selectable=False))
+        return segs
+    for s, e, own in ((t.start, question.start, False), (question.start, question.end, True),
+                      (question.end, t.end, False)):
+        if e > s:
+            segs.append(Segment(s, e, None, selectable=False, question=own))
     return segs
 
 

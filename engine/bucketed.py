@@ -89,11 +89,12 @@ class _Inputs:
         self.cand = take(nb)           # [N] 1 where the position is a candidate document row
         self.pre = take(nb)            # [N] check kind: slot p holds p if computed up to the check layer, else -1
         self.chosen = take(kb)         # [K] host kind: chosen positions (-1 = padding)
-        self.scalars = take(2)         # [k, index of the last prompt row among the final active rows]
+        self.scalars = take(4)         # [k, index of the last prompt row among the final active rows,
+        #                                 start, end of the question's own rows (0, N when none are marked)]
 
     @staticmethod
     def width(nb: int, mb: int, kb: int) -> int:
-        return nb + nb + 1 + mb + nb + nb + kb + 2
+        return nb + nb + 1 + mb + nb + nb + kb + 4
 
 
 def _real_first(pos: Tensor) -> Tensor:
@@ -198,6 +199,7 @@ class LayoutGraphs:
         a = n if kind == "plain" else m + k
         v.scalars[0] = k
         v.scalars[1] = a - 1
+        v.scalars[2], v.scalars[3] = plan.question_rows or (0, n)
         check = strategy.check_layers(spec.n_layers)[0] if kind == "check" else -1
         return _Host(kind=kind, n=n, nb=nb, m=m, mb=mb, k=k, kb=kb, key=key, packed=packed, pre=pre, pool=pool,
                      check=check)
@@ -236,8 +238,9 @@ class LayoutGraphs:
                 probes[i] = torch.where(valid[:, None] & cand[None, :], att, 0.0)
             if i < max(layers):
                 x = dec.finish(i, x, fused_attention(qr, act, kp, vp, rows, kv_pos, cos, sin, spec.scale))
+        own = valid & (act >= inp.scalars[2]) & (act < inp.scalars[3])
         ctx = SelectContext(n_layers=spec.n_layers, ratio=ratio, candidates=kv_pos, doc_spans=[], question=act,
-                            question_attention=probes)
+                            question_attention=probes, probe_rows=own)
         return self._top(strategy.scores(ctx), cand, inp, h.kb)
 
     @staticmethod
@@ -262,7 +265,7 @@ class LayoutGraphs:
                 q, k, v = dec.project(i, x)
                 fresh.append((k, v))
                 x = dec.finish(i, x, causal_attention(apply_rope(q, c, s_), apply_rope(k, c, s_), v, spec.scale))
-            logits = dec.logits(x.index_select(0, inp.scalars[1:]))[0].float()
+            logits = dec.logits(x.index_select(0, inp.scalars[1:2]))[0].float()
             return logits, fresh, kv_pos, None
         cand = inp.cand > 0
         check = h.check
@@ -289,7 +292,7 @@ class LayoutGraphs:
             x = dec.finish(i, x, fused_attention(qr, act, kp, vp, rows, kv_pos, cos, sin, spec.scale))
             if i == check:
                 rows, dst = self._rows(pool, inp, act, h.nb)
-        logits = dec.logits(x.index_select(0, inp.scalars[1:]))[0].float()
+        logits = dec.logits(x.index_select(0, inp.scalars[1:2]))[0].float()
         return logits, fresh, act, _real_first(chosen)
 
     def _body(self, h: _Host, inp: _Inputs, strategy, ratio: float, pool, part: str):

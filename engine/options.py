@@ -27,7 +27,9 @@ class GenerationOptions:
 
     Attributes:
         strategy: the fusion strategy: a registered name ("infoflow", "cacheblend", "reuse", "full", ...;
-            `kvfuse.engine.fusion.available()`) or a Strategy instance (used as given, `strategy_options` ignored).
+            `kvfuse.engine.fusion.available()`), a variant spec "name:key=value:..." (e.g.
+            "infoflow:rows=all"; `strategy_options` win over its values), or a Strategy instance (used as given,
+            `strategy_options` ignored).
             Default `kvfuse.engine.fusion.DEFAULT_STRATEGY`.
         recompute_ratio: fraction of the cached document tokens the strategy recomputes, in [0, 1] (ignored by
             "full", which recomputes everything, and "reuse", which recomputes none).

@@ -151,6 +151,7 @@ class PromptBuilder:
         head, tail = self._split_template()
         self.prefix_ids = self._encode(head + self.fmt.instruction)
         self._tail_text = tail
+        self.empty_tail = self.encode_tail("")  # the tail of an empty question: template text and assistant header
         if not self.prefix_ids:
             raise ValueError("the prompt prefix is empty: give the tokenizer a chat template or an instruction")
 
@@ -182,6 +183,22 @@ class PromptBuilder:
     def encode_tail(self, question: str) -> list[int]:
         """Token ids of the question and the assistant header."""
         return self._encode(self.fmt.question_template.format(question=question) + self._tail_text)
+
+    def question_span(self, layout: PromptLayout) -> Span | None:
+        """The question's own tokens inside `layout`'s tail: what is left of the tail without the tokens it shares,
+        from the front and from the back, with the tail of an empty question (the question template's text and
+        the assistant header). None when nothing is left."""
+        tail = layout.ids[layout.tail.start:layout.tail.end].tolist()
+        empty = self.empty_tail
+        a = 0
+        while a < min(len(tail), len(empty)) and tail[a] == empty[a]:
+            a += 1
+        b = 0
+        while b < min(len(tail), len(empty)) - a and tail[-1 - b] == empty[-1 - b]:
+            b += 1
+        if a + b >= len(tail):
+            return None
+        return Span(layout.tail.start + a, layout.tail.end - b)
 
     def encode_body(self, doc: Document) -> list[int]:
         """Token ids of a document's body without the suffix (a body found inside a chat prompt, not followed by

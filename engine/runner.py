@@ -50,6 +50,14 @@ class _Plan:
     want_logits: bool
     capture: tuple | None
     budget_tokens: int = 0  # document tokens the ratio applies to (exact documents included)
+    question_rows: tuple[int, int] | None = None  # [start, end) of the question's own tokens, when marked
+
+    def probe_rows(self, must_pos: Tensor) -> Tensor | None:
+        """[M] bool over `must_pos` (any device): the question's own rows; None when none are marked."""
+        if self.question_rows is None:
+            return None
+        s, e = self.question_rows
+        return (must_pos >= s) & (must_pos < e)
 
     @property
     def must_pos(self) -> Tensor:
@@ -112,7 +120,8 @@ class Segment:
     `selectable` marks document segments (the strategy may recompute their tokens); the prefix is exact and
     never selected. `exact` marks a document whose cache is exactly what a full prefill computes at these rows
     (the first document right after the cached prefix it was computed after): never selected, but its tokens count
-    toward the recompute budget, so its share goes to the other documents.
+    toward the recompute budget, so its share goes to the other documents. `question` marks the computed rows of
+    the question's own tokens (what a query-aware probe may restrict its rows to).
     """
 
     start: int
@@ -120,6 +129,7 @@ class Segment:
     kv: DocKV | None
     selectable: bool = True
     exact: bool = False
+    question: bool = False
 
 
 @dataclass
@@ -215,6 +225,7 @@ class Runner:
         Index sets are built on the host from the segment spans: no device round trip in the hot path."""
         must_host = torch.ones(n, dtype=torch.bool)
         doc_spans, cached, budget_tokens = [], [], 0
+        question = [(seg.start, seg.end) for seg in segments if seg.question and seg.kv is None and seg.end > seg.start]
         for seg in segments:
             if seg.kv is not None and strategy.uses_cache:
                 must_host[seg.start:seg.end] = False
@@ -229,7 +240,8 @@ class Runner:
         cand_host = torch.cat([arange[s:e] for s, e in doc_spans]) if doc_spans else arange[:0]
         return _Plan(n=n, cached=cached, doc_spans=doc_spans, must_host=must_host, cand_host=cand_host,
                      extra_capacity=extra_capacity, want_logits=want_logits, capture=capture,
-                     budget_tokens=budget_tokens)
+                     budget_tokens=budget_tokens,
+                     question_rows=(min(s for s, _ in question), max(e for _, e in question)) if question else None)
 
     def _device_prefill(self, plan: _Plan, ids: Tensor, candidates: Tensor, must_pos: Tensor, strategy: Strategy,
                         ratio: float, clock, source=None) -> PrefillOutput:
@@ -241,7 +253,8 @@ class Runner:
                             doc_spans=plan.doc_spans, question=must_pos, budget_tokens=plan.budget_tokens,
                             doc_extras=[seg.kv.extras for seg in cached if seg.selectable and not seg.exact],
                             exact_spans=[(seg.start, seg.end) for seg in cached if seg.exact],
-                            exact_extras=[seg.kv.extras for seg in cached if seg.exact])
+                            exact_extras=[seg.kv.extras for seg in cached if seg.exact],
+                            probe_rows=plan.probe_rows(must_pos))
         probe_layers = strategy.probe_layers(self.spec.n_layers) if cached else ()
         if probe_layers:
             clock.start()
@@ -276,7 +289,7 @@ class Runner:
         if sig is None:
             return None
         spans = tuple((seg.start, seg.end, seg.selectable, seg.exact) for seg in plan.cached)
-        return (*sig, float(ratio), plan.n, plan.extra_capacity, spans, tuple(pools))
+        return (*sig, float(ratio), plan.n, plan.extra_capacity, spans, plan.question_rows, tuple(pools))
 
     @dataclass
     class _Run:

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["SelectContext", "Strategy", "register", "make_strategy", "available", "budget_for", "topk_positions",
-           "signature"]
+           "signature", "parse_spec"]
 
 
 @dataclass
@@ -46,6 +46,9 @@ class SelectContext:
             budget goes to the others.
         exact_spans / exact_extras: those exact documents' spans and stored extras (a probe may still compress
             them, e.g. to their anchors).
+        probe_rows: [Q] bool, True at the rows of `question` that hold the question's own tokens (not the question
+            template, the chat suffix or document titles); None when the prompt marks none (then every row is the
+            question's).
     """
 
     n_layers: int
@@ -64,6 +67,7 @@ class SelectContext:
     budget_tokens: int | None = None
     exact_spans: list[tuple[int, int]] = field(default_factory=list)  # exact documents: never candidates
     exact_extras: list[dict[str, Tensor]] = field(default_factory=list)  # their extras (e.g. anchors)
+    probe_rows: Tensor | None = None  # [Q] bool: the question's own tokens among `question`
 
     @property
     def budget(self) -> int:
@@ -162,10 +166,47 @@ def available() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def _spec_value(text: str):
+    """One option value of a strategy spec: true/false, an int, a float, `a..b` (the ints a to b), `a/b/c` (a
+    tuple of numbers), else the text itself."""
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if ".." in text:
+        lo, hi = text.split("..", 1)
+        return tuple(range(int(lo), int(hi) + 1))
+    if "/" in text:
+        return tuple(_spec_value(x) for x in text.split("/"))
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_spec(spec: str) -> tuple[str, dict]:
+    """A strategy spec `name` or `name:key=value:key=value` (a variant on the command line, e.g.
+    `infoflow:layers=16..23:rows=all`) -> (name, options). Raises ValueError on a malformed option."""
+    name, *parts = spec.strip().split(":")
+    options = {}
+    for part in parts:
+        key, eq, value = part.partition("=")
+        if not eq or not key.strip() or not value.strip():
+            raise ValueError(f"strategy spec {spec!r}: option {part!r} is not key=value")
+        try:
+            options[key.strip()] = _spec_value(value.strip())
+        except ValueError:
+            raise ValueError(f"strategy spec {spec!r}: bad value in {part!r}") from None
+    return name.strip(), options
+
+
 def make_strategy(name: str | Strategy, **options) -> Strategy:
-    """A strategy instance by name (options go to its constructor), or the instance given."""
+    """A strategy instance by name or spec (`parse_spec`; options go to its constructor, keywords over the
+    spec's), or the instance given."""
     if isinstance(name, Strategy):
         return name
+    name, spec_options = parse_spec(name)
     if name not in _REGISTRY:
         raise ValueError(f"unknown strategy {name!r}; available: {', '.join(available())}")
-    return _REGISTRY[name](**options)
+    return _REGISTRY[name](**{**spec_options, **options})

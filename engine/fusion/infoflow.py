@@ -1,13 +1,18 @@
 """`infoflow` (InfoFlow KV, arXiv 2603.05353): recompute the tokens the question's attention flows to.
 
-The question is run over the re-positioned cache (true global positions, the runner's probe); at the deep
-layers (by default the last third) each key's score is the L2 norm, over the question rows, of the attention it
-receives (already averaged over heads), averaged over those layers. The top `budget` cached document tokens are
-recomputed.
+The question is run over the re-positioned cache (true global positions, the runner's probe); at mid-late
+layers (by default those at 55-65% of the depth, never the last, as the reference's scoring layers 22-25 of 40)
+each key's score is the L2 norm, over the question's own token rows (not the question template, the chat suffix
+or document titles), of the attention it receives (already averaged over heads), averaged over those layers. The
+top `budget` cached document tokens are recomputed. The probe runs only up to the deepest probe layer, so a
+shallower window is also a cheaper selection.
 
-Reorder (`reorder=True`, the paper's information-flow-guided chunk reordering): the documents holding the most
-selected tokens are moved last (closest to the question), then the question is probed and scored again over the
-new layout. A strategy cannot change the prompt, so this is an engine step: the engine honours
+The earlier reading of the paper (the deepest third of the layers, every always-computed row) stays available:
+`infoflow:depth=0.3333:rows=all` (or `make_strategy("infoflow", depth=1/3, rows="all")`).
+
+Reorder (`reorder=True`, the paper's information-flow-guided chunk reordering): the documents with the highest
+density of selected tokens (selected / length, the reference's rule; `order="count"`: the count alone) are
+moved last (closest to the question), then the question is probed and scored again over the new layout. A strategy cannot change the prompt, so this is an engine step: the engine honours
 `reorders_documents` by running the probe and `initial` once on the original layout, asking
 `document_order(ctx, chosen)` for the new order, and preparing the prompt again (that first pass is counted in
 the request's selection time). The answer then comes from the reordered prompt.
@@ -17,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from .base import SelectContext, Strategy, register, topk_positions
-from .qattn import deep_layers, doc_index, layer_mean, resolve_layers
+from .qattn import deep_layers, doc_index, layer_mean, resolve_layers, window_layers
 
 
 @register
@@ -26,18 +31,33 @@ class InfoFlow(Strategy):
     graph_safe = True
     layout_free = True
 
-    def __init__(self, layers=None, depth: float = 1 / 3, reorder: bool = False) -> None:
+    def __init__(self, layers=None, depth: float | None = None, window=(0.55, 0.65), rows: str = "question",
+                 reorder: bool = False, order: str = "density") -> None:
         """
         Args:
-            layers: explicit probe layers (negative counts from the end); default the deepest `depth` share.
-            depth: share of the deepest layers probed when `layers` is not given.
-            reorder: move the documents with the most selected tokens last, then score again.
+            layers: explicit probe layers (negative counts from the end).
+            depth: without `layers`, probe the deepest `depth` share of the layers instead of `window`.
+            window: without `layers` or `depth`, the depth fractions [lo, hi) probed (`window_layers`).
+            rows: "question" (the question's own tokens, where the prompt marks them) or "all" (every row the
+                runner computes: question template, chat suffix, titles).
+            reorder: move the documents the selection draws on most last, then score again.
+            order: the reorder's key: "density" (selected / document length) or "count" (selected).
         """
-        if not 0.0 < depth <= 1.0:
+        if depth is not None and not 0.0 < float(depth) <= 1.0:
             raise ValueError(f"depth must be in (0, 1], got {depth}")
+        lo, hi = (float(x) for x in window)
+        if not 0.0 <= lo < hi <= 1.0:
+            raise ValueError(f"window must satisfy 0 <= lo < hi <= 1, got {window}")
+        if rows not in ("question", "all"):
+            raise ValueError(f"rows must be 'question' or 'all', got {rows!r}")
+        if order not in ("density", "count"):
+            raise ValueError(f"order must be 'density' or 'count', got {order!r}")
         self.layers = None if layers is None else tuple(int(x) for x in layers)
-        self.depth = float(depth)
+        self.depth = None if depth is None else float(depth)
+        self.window = (lo, hi)
+        self.rows = rows
         self.reorder = bool(reorder)
+        self.order = order
 
     @property
     def reorders_documents(self) -> bool:
@@ -46,11 +66,13 @@ class InfoFlow(Strategy):
     def probe_layers(self, n_layers: int) -> tuple[int, ...]:
         if self.layers is not None:
             return resolve_layers(self.layers, n_layers)
-        return deep_layers(n_layers, self.depth)
+        if self.depth is not None:
+            return deep_layers(n_layers, self.depth)
+        return window_layers(n_layers, *self.window)
 
     def scores(self, ctx: SelectContext):
-        """[C] score of each candidate: mean over probe layers of the L2 norm over question rows."""
-        return layer_mean(ctx, self.probe_layers(ctx.n_layers), "l2")
+        """[C] score of each candidate: mean over probe layers of the L2 norm over the question rows."""
+        return layer_mean(ctx, self.probe_layers(ctx.n_layers), "l2", own_rows=self.rows == "question")
 
     def initial(self, ctx: SelectContext):
         if ctx.budget == 0:
@@ -58,13 +80,17 @@ class InfoFlow(Strategy):
         return topk_positions(self.scores(ctx), ctx.candidates, ctx.budget)
 
     def document_order(self, ctx: SelectContext, chosen) -> list[int]:
-        """Document indices (prompt order) in their new order: ascending count of selected tokens (stable), so
-        the documents the question draws most from sit last, next to it."""
+        """Document indices (prompt order) in their new order: ascending density (or count) of selected tokens
+        (stable), so the documents the question draws most from sit last, next to it."""
         n = len(ctx.doc_spans)
         counts = torch.zeros(n, dtype=torch.long)
         if chosen.numel():
             counts += torch.bincount(doc_index(ctx, chosen.cpu()).cpu(), minlength=n)[:n]
-        return sorted(range(n), key=lambda i: (int(counts[i]), i))
+        if self.order == "count":
+            key = [float(c) for c in counts]
+        else:
+            key = [int(c) / max(1, e - s) for c, (s, e) in zip(counts, ctx.doc_spans)]
+        return sorted(range(n), key=lambda i: (key[i], i))
 
     def describe(self) -> str:
         return f"{self.name}(reorder)" if self.reorder else self.name

@@ -49,8 +49,9 @@ def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--datasets", metavar="A,B", help="only these values of the 'dataset' field (default: all)")
     p.add_argument("--limit", type=int, metavar="N", help="examples per dataset, after a seeded shuffle")
     p.add_argument("--strategies", metavar="S,T",
-                   help=f"strategies to compare; full always runs as the reference "
-                        f"(default: {DEFAULTS['strategies']})")
+                   help=f"strategies to compare; full always runs as the reference; a variant is "
+                        f"name:key=value[:key=value] (its constructor's options, e.g. infoflow:rows=all:depth=0.333; "
+                        f"a..b is an int range, a/b a tuple) (default: {DEFAULTS['strategies']})")
     p.add_argument("--ratios", metavar="R,S",
                    help=f"recompute ratios in (0, 1]; full and reuse ignore them (default: {DEFAULTS['ratios']})")
     p.add_argument("--model", metavar="NAME_OR_PATH",

@@ -109,8 +109,19 @@ def build_configs(strategies: Sequence[str], ratios: Sequence[float]) -> list[Co
         s = s.strip()
         if not s:
             raise ValueError("--strategies: empty strategy name")
-        if known is not None and s not in known:
-            raise ValueError(f"--strategies: unknown strategy {s!r}; available: {', '.join(known)}")
+        if known is not None:
+            from kvfuse.engine.fusion import make_strategy
+            from kvfuse.engine.fusion.base import parse_spec
+
+            try:
+                name = parse_spec(s)[0]
+                if name in known:
+                    make_strategy(s)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"--strategies: {s!r}: {e}") from None
+            if name not in known:
+                raise ValueError(f"--strategies: unknown strategy {s!r}; available: {', '.join(known)} (a variant: "
+                                 f"name:key=value, e.g. infoflow:rows=all)")
         fixed = _ratio_free(s)
         for r in ([fixed] if fixed is not None else ratios):
             c = Config(s, round(float(r), 4))

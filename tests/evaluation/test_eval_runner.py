@@ -36,6 +36,12 @@ def test_build_configs():
                                                                           Config("cacheblend", 0.15)]
     with pytest.raises(ValueError, match="unknown strategy 'nosuch'; available: .*cacheblend"):
         build_configs(["nosuch"], [0.15])
+    # variants by spec run beside the plain strategy, each its own config (and resume key)
+    assert build_configs(["infoflow", "infoflow:rows=all"], [0.15])[1:] == [Config("infoflow", 0.15),
+                                                                           Config("infoflow:rows=all", 0.15)]
+    for bad in ("infoflow:rows=sideways", "infoflow:nosuch=1", "infoflow:rows"):
+        with pytest.raises(ValueError, match="--strategies"):
+            build_configs([bad], [0.15])
     for bad in ([0.0], [1.5], [float("nan")], []):
         with pytest.raises(ValueError, match="ratio"):
             build_configs(["cacheblend"], bad)

@@ -147,3 +147,24 @@ def test_infoflow_reorder_puts_the_most_selected_documents_last(fusion_engine):
     assert got == sorted(got)
     r = e.generate(QUESTION, DOCS, strategy="infoflow", reorder=True, recompute_ratio=0.3, max_new_tokens=2)
     assert r.recomputed_tokens == budget_for(0.3, r.doc_tokens)
+
+
+@pytest.mark.parametrize("question", [QUESTION, "Who?"])
+def test_the_probe_reads_the_questions_own_rows(fusion_engine, question):
+    """The tail's question rows are marked (the template before and after, the assistant header are not); the
+    probe hands infoflow exactly those rows, and a question given as token ids is marked the same way."""
+    from kvfuse.engine.fusion.select import select_only
+
+    e = _engine(fusion_engine)
+    strat = make_strategy("infoflow")
+    docs = as_documents(DOCS)
+    layout, segs, _ = e._prepare(question, docs, strat)
+    own = [sg for sg in segs if sg.question]
+    assert len(own) == 1 and layout.tail.start < own[0].start and own[0].end < layout.tail.end
+    text = e.tokenizer.decode(layout.ids[own[0].start:own[0].end].tolist())
+    assert text.strip() == question.strip()
+    ctx, _ = select_only(e.runner, layout.ids, segs, strat, 0.2)
+    marked = ctx.question[ctx.probe_rows.to(ctx.question.device)].cpu()
+    assert torch.equal(marked, torch.arange(own[0].start, own[0].end))
+    ids_layout, ids_segs, _ = e._prepare(e.prompts.encode_tail(question), docs, strat)
+    assert [(s.start, s.end) for s in ids_segs if s.question] == [(own[0].start, own[0].end)]
