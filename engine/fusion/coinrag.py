@@ -63,7 +63,7 @@ class CoinRAG(InfoFlow):
             layers / depth: the probe layers (as infoflow's).
             min_sentence_tokens: shorter sentences join the next one.
         """
-        super().__init__(layers=layers, depth=depth, rows="all")
+        super().__init__(layers=layers, depth=depth)
         if not 0.0 < keep <= 1.0:
             raise ValueError(f"keep must be in (0, 1], got {keep}")
         if min_sentence_tokens < 1:

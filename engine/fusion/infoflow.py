@@ -1,14 +1,16 @@
 """`infoflow` (InfoFlow KV, arXiv 2603.05353): recompute the tokens the question's attention flows to.
 
-The question is run over the re-positioned cache (true global positions, the runner's probe); at mid-late
-layers (by default those at 55-65% of the depth, never the last, as the reference's scoring layers 22-25 of 40)
-each key's score is the L2 norm, over the question's own token rows (not the question template, the chat suffix
-or document titles), of the attention it receives (already averaged over heads), averaged over those layers. The
-top `budget` cached document tokens are recomputed. The probe runs only up to the deepest probe layer, so a
-shallower window is also a cheaper selection.
+The question is run over the re-positioned cache (true global positions, the runner's probe); at the deep
+layers (by default the last third) each key's score is the L2 norm, over the question rows (every row the runner
+computes: the question template, the question, the chat suffix, document titles), of the attention it receives
+(already averaged over heads), averaged over those layers. The top `budget` cached document tokens are recomputed.
 
-The earlier reading of the paper (the deepest third of the layers, every always-computed row) stays available:
-`infoflow:depth=0.3333:rows=all` (or `make_strategy("infoflow", depth=1/3, rows="all")`).
+The reference code's choices differ: mid-late scoring layers (22-25 of 40, never the last) and the question's own
+tokens as rows. Both are options, together `InfoFlow.REFERENCE` (`window=(0.55, 0.65)`: the layers at 55-65% of
+the depth, 13-15 of 24; `rows="question"`: the rows the prompt marks as the question's own tokens). On the
+embedded model (Qwen2.5-Coder-0.5B, dev 2wikimqa/hotpotqa/musique, 15%) they were measured worse on fidelity and
+KL than these defaults (docs/quality/infoflow_reference.md), so the defaults stay; the window's probe stops at a
+shallower layer, so its selection costs about a third less.
 
 Reorder (`reorder=True`, the paper's information-flow-guided chunk reordering): the documents with the highest
 density of selected tokens (selected / length, the reference's rule; `order="count"`: the count alone) are
@@ -31,30 +33,35 @@ class InfoFlow(Strategy):
     graph_safe = True
     layout_free = True
 
-    def __init__(self, layers=None, depth: float | None = None, window=(0.55, 0.65), rows: str = "question",
-                 reorder: bool = False, order: str = "density") -> None:
+    #: the reference code's scoring choices, as a spec (`make_strategy(InfoFlow.REFERENCE)`)
+    REFERENCE = "infoflow:window=0.55/0.65:rows=question"
+
+    def __init__(self, layers=None, depth: float = 1 / 3, window=None, rows: str = "all", reorder: bool = False,
+                 order: str = "density") -> None:
         """
         Args:
             layers: explicit probe layers (negative counts from the end).
-            depth: without `layers`, probe the deepest `depth` share of the layers instead of `window`.
-            window: without `layers` or `depth`, the depth fractions [lo, hi) probed (`window_layers`).
-            rows: "question" (the question's own tokens, where the prompt marks them) or "all" (every row the
-                runner computes: question template, chat suffix, titles).
+            depth: without `layers` or `window`, the deepest `depth` share of the layers is probed.
+            window: without `layers`, the depth fractions (lo, hi) probed (`window_layers`: never the last layer).
+            rows: "all" (every row the runner computes: question template, question, chat suffix, titles) or
+                "question" (the question's own tokens, where the prompt marks them).
             reorder: move the documents the selection draws on most last, then score again.
-            order: the reorder's key: "density" (selected / document length) or "count" (selected).
+            order: the reorder's key: "density" (selected / document length, the reference's) or "count".
         """
-        if depth is not None and not 0.0 < float(depth) <= 1.0:
+        if not 0.0 < float(depth) <= 1.0:
             raise ValueError(f"depth must be in (0, 1], got {depth}")
-        lo, hi = (float(x) for x in window)
-        if not 0.0 <= lo < hi <= 1.0:
-            raise ValueError(f"window must satisfy 0 <= lo < hi <= 1, got {window}")
+        if window is not None:
+            lo, hi = (float(x) for x in window)
+            if not 0.0 <= lo < hi <= 1.0:
+                raise ValueError(f"window must satisfy 0 <= lo < hi <= 1, got {window}")
+            window = (lo, hi)
         if rows not in ("question", "all"):
             raise ValueError(f"rows must be 'question' or 'all', got {rows!r}")
         if order not in ("density", "count"):
             raise ValueError(f"order must be 'density' or 'count', got {order!r}")
         self.layers = None if layers is None else tuple(int(x) for x in layers)
-        self.depth = None if depth is None else float(depth)
-        self.window = (lo, hi)
+        self.depth = float(depth)
+        self.window = window
         self.rows = rows
         self.reorder = bool(reorder)
         self.order = order
@@ -66,9 +73,9 @@ class InfoFlow(Strategy):
     def probe_layers(self, n_layers: int) -> tuple[int, ...]:
         if self.layers is not None:
             return resolve_layers(self.layers, n_layers)
-        if self.depth is not None:
-            return deep_layers(n_layers, self.depth)
-        return window_layers(n_layers, *self.window)
+        if self.window is not None:
+            return window_layers(n_layers, *self.window)
+        return deep_layers(n_layers, self.depth)
 
     def scores(self, ctx: SelectContext):
         """[C] score of each candidate: mean over probe layers of the L2 norm over the question rows."""

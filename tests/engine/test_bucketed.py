@@ -15,7 +15,8 @@ from kvfuse.engine.types import as_documents
 
 from cases import DOCS, QUESTION
 
-LAYOUT_FREE = ["full", "reuse", "epic", "cacheblend", "infoflow", "prophetkv"]
+LAYOUT_FREE = ["full", "reuse", "epic", "cacheblend", "infoflow", "prophetkv",
+               "infoflow:window=0.55/0.65:rows=question", "epic:per_doc=4"]  # the question's own rows as data
 EXTRA = [("extra1", "Dunmore lies on the river Aller, two days by coach from Carvel and its old university."),
          ("extra2", "The Helder range is volcanic; its slopes hold three observatories and a small ski resort.")]
 

@@ -156,7 +156,7 @@ def test_the_probe_reads_the_questions_own_rows(fusion_engine, question):
     from kvfuse.engine.fusion.select import select_only
 
     e = _engine(fusion_engine)
-    strat = make_strategy("infoflow")
+    strat = make_strategy("infoflow", rows="question")
     docs = as_documents(DOCS)
     layout, segs, _ = e._prepare(question, docs, strat)
     own = [sg for sg in segs if sg.question]

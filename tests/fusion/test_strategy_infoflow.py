@@ -6,18 +6,22 @@ import pytest
 import torch
 
 from kvfuse.engine.fusion import make_strategy
+from kvfuse.engine.fusion.infoflow import InfoFlow
 
 from strategy_cases import assert_planted_selected, make_ctx, plant
 
 
-def test_probe_layers_are_mid_late_never_the_last():
+def test_probe_layers_deepest_third_or_the_references_window():
     s = make_strategy("infoflow")
-    assert s.probe_layers(40) == (22, 23, 24, 25)  # the reference's scoring layers on a 40-layer model
-    assert s.probe_layers(24) == (13, 14, 15)
-    assert s.probe_layers(32) == (17, 18, 19, 20)
+    assert s.probe_layers(24) == tuple(range(16, 24))
+    assert s.probe_layers(3) == (2,)
+    ref = make_strategy(InfoFlow.REFERENCE)
+    assert ref.rows == "question"
+    assert ref.probe_layers(40) == (22, 23, 24, 25)  # the reference's scoring layers on a 40-layer model
+    assert ref.probe_layers(24) == (13, 14, 15)
+    assert ref.probe_layers(32) == (17, 18, 19, 20)
     for n in (2, 3, 8, 24, 80):
-        assert max(s.probe_layers(n)) < n - 1
-    assert make_strategy("infoflow", depth=1 / 3).probe_layers(24) == tuple(range(16, 24))  # the earlier reading
+        assert max(ref.probe_layers(n)) < n - 1  # never the last
     assert make_strategy("infoflow", window=(0.9, 1.0)).probe_layers(24) == (21, 22)
     assert make_strategy("infoflow", layers=(-1, 5)).probe_layers(24) == (5, 23)
     with pytest.raises(ValueError):
@@ -28,12 +32,13 @@ def test_probe_layers_are_mid_late_never_the_last():
 
 
 def test_spec_strings_name_variants():
-    s = make_strategy("infoflow:depth=0.5:rows=all:order=count")
-    assert (s.depth, s.rows, s.order) == (0.5, "all", "count")
+    s = make_strategy("infoflow:depth=0.5:rows=question:order=count")
+    assert (s.depth, s.rows, s.order) == (0.5, "question", "count")
     assert make_strategy("infoflow:layers=3..5").probe_layers(24) == (3, 4, 5)
     assert make_strategy("infoflow:layers=-1/4").probe_layers(24) == (4, 23)
     assert make_strategy("infoflow:reorder=true").reorders_documents
     assert make_strategy("infoflow:rows=all", rows="question").rows == "question"  # keywords win
+    assert make_strategy("infoflow:window=0.55/0.65").window == (0.55, 0.65)
     for bad in ("infoflow:rows", "infoflow:=3", "nosuch:x=1"):
         with pytest.raises(ValueError):
             make_strategy(bad)
@@ -43,17 +48,17 @@ def test_spec_strings_name_variants():
 
 def test_only_the_questions_own_rows_score():
     """Row 0 (say the question template) gives key a 0.5, rows 1-4 (the question's own tokens) give key b 0.1:
-    with rows="question" b wins; counting every row (rows="all") a does."""
+    with rows="question" b wins; counting every row (rows="all", the default) a does."""
     ctx = make_ctx(ratio=1 / 75)  # budget 1
     ctx.probe_rows = torch.tensor([False, True, True, True, True])
     a, b = 12, 50
     for layer in range(ctx.n_layers):
         plant(ctx, layer, a, 0.5, rows=[0])
         plant(ctx, layer, b, 0.1, rows=[1, 2, 3, 4])
-    assert make_strategy("infoflow").initial(ctx).tolist() == [b]
-    assert make_strategy("infoflow", rows="all").initial(ctx).tolist() == [a]
-    ctx.probe_rows = torch.zeros(5, dtype=torch.bool)  # none marked: every row counts
+    assert make_strategy("infoflow", rows="question").initial(ctx).tolist() == [b]
     assert make_strategy("infoflow").initial(ctx).tolist() == [a]
+    ctx.probe_rows = torch.zeros(5, dtype=torch.bool)  # none marked: every row counts
+    assert make_strategy("infoflow", rows="question").initial(ctx).tolist() == [a]
 
 
 @pytest.mark.parametrize("ratio", [0.05, 0.2, 0.5])
