@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import random
+import select
 import signal
 import subprocess
 import sys
@@ -53,6 +54,12 @@ def _kv(i: int) -> DocKV:
     return DocKV(torch.randn(2, n, 2, 6, generator=g), torch.randn(2, n, 2, 6, generator=g))
 
 
+def _first_line(proc: subprocess.Popen, timeout_s: float) -> str:
+    """The first line the process prints ("" if it exits or the time runs out first)."""
+    ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
+    return proc.stdout.readline() if ready else ""
+
+
 def test_sigkill_mid_write_loses_nothing_committed(tmp_path, tally):
     folder = tmp_path / "kv"
     rng = random.Random(7)
@@ -66,13 +73,14 @@ def test_sigkill_mid_write_loses_nothing_committed(tmp_path, tally):
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         reader = subprocess.Popen([sys.executable, "-c", WRITER, str(folder), "0", "reader"],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
-        time.sleep(rng.uniform(2.5, 4.0))  # imports take ~2 s; then it is writing continuously
+        first = _first_line(writer, timeout_s=120)  # its imports take seconds (more on a busy machine)
+        time.sleep(rng.uniform(0.2, 1.5))  # then it is writing continuously: killed at a random moment
         os.kill(writer.pid, signal.SIGKILL)
         out, _ = writer.communicate()
         os.kill(reader.pid, signal.SIGKILL)
         _, reader_err = reader.communicate()
         assert "AssertionError" not in reader_err, reader_err
-        done = [int(x) for x in out.split()]
+        done = [int(x) for x in (first + out).split()]
         assert done, "the writer committed nothing before it was killed"
         committed.update(done)
         attempted += range(start, max(done) + 2)  # the committed ones plus the one in flight
