@@ -253,10 +253,10 @@ class Runner:
                             doc_spans=plan.doc_spans, question=must_pos, budget_tokens=plan.budget_tokens,
                             doc_extras=[seg.kv.extras for seg in cached if seg.selectable and not seg.exact],
                             exact_spans=[(seg.start, seg.end) for seg in cached if seg.exact],
-                            exact_extras=[seg.kv.extras for seg in cached if seg.exact],
-                            probe_rows=plan.probe_rows(must_pos))
+                            exact_extras=[seg.kv.extras for seg in cached if seg.exact])
         probe_layers = strategy.probe_layers(self.spec.n_layers) if cached else ()
         if probe_layers:
+            ctx.probe_rows = plan.probe_rows(must_pos)  # only a probe reads it
             clock.start()
             view = strategy.probe_keys(ctx)
             keys = None if view is None else torch.unique(torch.cat([view.to(ids.device), must_pos]))

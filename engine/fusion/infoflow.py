@@ -14,7 +14,8 @@ shallower layer, so its selection costs about a third less.
 
 Reorder (`reorder=True`, the paper's information-flow-guided chunk reordering): the documents with the highest
 density of selected tokens (selected / length, the reference's rule; `order="count"`: the count alone) are
-moved last (closest to the question), then the question is probed and scored again over the new layout. A strategy cannot change the prompt, so this is an engine step: the engine honours
+moved last (closest to the question), then the question is probed and scored again over the new layout. A
+strategy cannot change the prompt, so this is an engine step: the engine honours
 `reorders_documents` by running the probe and `initial` once on the original layout, asking
 `document_order(ctx, chosen)` for the new order, and preparing the prompt again (that first pass is counted in
 the request's selection time). The answer then comes from the reordered prompt.
