@@ -30,9 +30,13 @@ def main() -> int:
     ap.add_argument("--strategies", default="reuse,cacheblend,infoflow")
     ap.add_argument("--tier", default="pool")
     ap.add_argument("--ratio", type=float, default=0.15)
+    ap.add_argument("--cuda-graphs", type=int, default=1,
+                    help="0: run the padded (bucketed) path eagerly, so the profiler lists every kernel")
+    ap.add_argument("--top", type=int, default=14, help="kernels listed per strategy")
     args = ap.parse_args()
     model = build(args.shape, "cuda")
-    engine = make_engine(model, args.tier, pool_tokens=args.context + 1024, scratch=args.context + 64)
+    engine = make_engine(model, args.tier, pool_tokens=args.context + 1024, scratch=args.context + 64,
+                         cuda_graphs=bool(args.cuda_graphs))
     q, docs = request(engine, args.context, 512, 64, model.config.vocab_size, seed=1)
     engine.precompute(docs)
     for name in args.strategies.split(","):
@@ -66,7 +70,7 @@ def main() -> int:
         print(f"\n=== {name}: ttft {r.ttft_s * 1e3:.2f} ms (host {host * 1e3:.2f}), device busy {dev_total:.2f} ms, "
               f"launches {launches}, selection {r.selection_s * 1e3:.2f} ms")
         print("syncs:", dict(sites) or "none")
-        print(events.table(sort_by="self_device_time_total", row_limit=14, max_name_column_width=60))
+        print(events.table(sort_by="self_device_time_total", row_limit=args.top, max_name_column_width=60))
     return 0
 
 

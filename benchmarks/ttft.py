@@ -186,6 +186,7 @@ def main() -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default="ttft.csv")
     ap.add_argument("--cuda-graphs", type=int, default=1, help="1: repeated prefills replay CUDA graphs")
+    ap.add_argument("--verbose", action="store_true", help="print every call (TTFT, sizes, graph use)")
     ap.add_argument("--layouts", default="first-sight,repeated",
                     help="first-sight: every timed request a new random layout (document count and lengths; its "
                          "documents precomputed, untimed); repeated: the same request every time (graph replay); "
@@ -237,7 +238,9 @@ def main() -> int:
             rows.append({**base, "row": "HF SDPA full", "tier": "-", "ttft_ms": hf * 1e3, "vs_hf": 1.0})
             print(f"{shape} {n:6d}  HF SDPA full                 {hf * 1e3:8.2f} ms", flush=True)
             for tier in args.tiers.split(","):
-                engine = make_engine(model, tier, pool_tokens=n + 1024, scratch=n + 64,
+                # sift computes every row (its prompt needs arena rows beside the documents' cached ones)
+                pool = (2 * n if "sift" in strategies else n) + 1024
+                engine = make_engine(model, tier, pool_tokens=pool, scratch=n + 64,
                                      cuda_graphs=bool(args.cuda_graphs))
                 q, docs = request(engine, n, args.doc_tokens, args.question_tokens, vocab, seed=n)
                 engine.precompute(docs)
@@ -259,9 +262,19 @@ def main() -> int:
                             if name == "sift":
                                 engine.precompute(ds, strategy="sift")
                         sync()
+                        lg_ = engine.runner.layout
+                        before = (lg_.replays, lg_.captures, lg_.eager_runs) if lg_ is not None else ()
                         r = engine.generate(question_ids=qi, docs=ds, strategy=name, recompute_ratio=ratio,
                                             max_new_tokens=1)
                         call.last = r
+                        if args.verbose:
+                            after = (lg_.replays, lg_.captures, lg_.eager_runs) if lg_ is not None else ()
+                            how = "/".join(str(b - a) for a, b in zip(before, after))
+                            print(f"    call {name} {layout}: ttft {r.ttft_s * 1e3:7.2f} ms  prefill "
+                                  f"{r.prefill_s * 1e3:7.2f}  sel {r.selection_s * 1e3:6.2f}  n {r.prompt_tokens} "
+                                  f"docs {len(ds)}  recomputed {r.recomputed_tokens}  r/c/e {how}"
+                                  + (f"  density {r.extra['sift']['density']}" if "sift" in r.extra else ""),
+                                  flush=True)
                         return r.ttft_s
 
                     if engine.runner.layout is not None:  # bucket graph counters of this row alone

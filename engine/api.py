@@ -28,7 +28,7 @@ from .decode import Arena, Decoding, decode_rows
 from .runner import Runner, Segment
 from .scheduler import Request, Scheduler
 from .sampler import Sampler
-from .sift import IndexStore, compute_index, sparse_plan
+from .sift import IndexStore, SiftIndex, compute_index, sparse_plan
 from .tracing import set_attributes, span
 from .store import DocKV, Namespace, fingerprint_tensors
 from .store.keys import content_key
@@ -581,7 +581,7 @@ class FusionEngine:
             return self._compress(question, docs, strat, ratio, layout, segs, reserve)
         if getattr(strat, "sparse_index", False):
             t0 = time.perf_counter()
-            strat.sparse_plan, strat.report = self._sift_plan(layout, strat)
+            strat.sparse_plan, strat.report = self._sift_plan(layout, strat, docs)
             return layout, segs, time.perf_counter() - t0
         if not getattr(strat, "reorders_documents", False) or len(docs) < 2:
             return layout, segs, 0.0
@@ -632,19 +632,52 @@ class FusionEngine:
         base = content_key(self.namespace, self.prompts.prefix_ids, ids)
         return hashlib.sha256(f"{base}|{strat.index_params()}".encode()).hexdigest()
 
-    def _sift_plan(self, layout, strat):
-        """The block lists of a sift request, and its report (indexes hit / computed, density)."""
+    def _sift_plan(self, layout, strat, docs: list[Document] | None = None):
+        """The block lists of a sift request, and its report (indexes hit / computed / carried / rejected, density).
+
+        A document that carries its index (`Document.sift_index`, from node metadata) is served by it when it is
+        intact and made for exactly this model, tokenizer, prompt layout, index settings and text; a carried index
+        that is not (damaged, truncated, another model's or another text's) is counted as rejected and that
+        document attends densely: never a failure, never a stale index."""
         block = strat.kernel_block or (64 if self.device.type == "cuda" else 16)
-        docs, hits, computed = [], 0, 0
+        carried = [d.sift_index for d in docs] if docs is not None and len(docs) == len(layout.docs) else None
+        n_layers = self.decoder.spec.n_layers
+        plan, hits, computed, used, rejected = [], 0, 0, 0, 0
         with _on_device(self.device):
-            for sp, ids in zip(layout.docs, layout.doc_ids):
-                idx, hit = self._sift_index(ids.tolist(), strat)
-                hits += hit
-                computed += not hit
-                docs.append((sp.start, sp.end, idx))
-            lists, counts, density = sparse_plan(layout.n, self.decoder.spec.n_layers, docs, block, self.device)
-        return (lists, counts, block), {"index_hits": hits, "index_computed": computed,
-                                        "density": round(density, 4), "kernel_block": block}
+            for i, (sp, ids) in enumerate(zip(layout.docs, layout.doc_ids)):
+                data = carried[i] if carried is not None else None
+                if data is not None:
+                    ids_l = ids.tolist()
+                    idx = SiftIndex.from_bytes(data, self._sift_key(ids_l, strat), n_layers, len(ids_l))
+                    used += idx is not None
+                    rejected += idx is None
+                else:
+                    idx, hit = self._sift_index(ids.tolist(), strat)
+                    hits += hit
+                    computed += not hit
+                plan.append((sp.start, sp.end, idx))
+            lists, counts, density = sparse_plan(layout.n, n_layers, plan, block, self.device)
+        return (lists, counts, block), {"index_hits": hits, "index_computed": computed, "index_carried": used,
+                                        "index_rejected": rejected, "density": round(density, 4),
+                                        "kernel_block": block}
+
+    def sift_index_bytes(self, docs: Iterable[Any], strategy: str | Strategy = "sift") -> list[bytes]:
+        """Each document's selective index, serialised (`SiftIndex.to_bytes`, a few KB; computed where missing):
+        the bytes that ride with a document (`Document(..., sift_index=...)`, node or Document metadata through
+        the integrations), so a request needs no index store. The bytes name the model, tokenizer, prompt layout,
+        index settings and the document's tokens; any other use of them is refused at request time.
+
+        Raises:
+            ValueError: `strategy` is not an index strategy, or a document does not fit the context window.
+        """
+        strat = make_strategy(strategy)
+        if not getattr(strat, "sparse_index", False):
+            raise ValueError(f"strategy {strat.name!r} keeps no selective index (use 'sift')")
+        docs = self._documents(docs, strat)
+        with self.scheduler.exclusive(), _on_device(self.device):
+            doc_ids = self._encode_documents(docs)
+            self._check_documents_fit(docs, doc_ids)
+            return [self._sift_index(ids, strat)[0].to_bytes(self._sift_key(ids, strat)) for ids in doc_ids]
 
     def _token_texts(self, ids: list[int]) -> list[str]:
         """Each token's own text (memoised per token id)."""

@@ -18,15 +18,18 @@ index attend densely. The kernel (kernels/block_sparse.py) takes one list of key
 Indexes are keyed like caches (namespace, prefix, document tokens) and held apart from K/V caches, in memory; they
 serialise to a few kilobytes (`SiftIndex.to_bytes`: magic, the key, shapes, packed bits, sha256) and
 `SiftIndex.from_bytes` refuses (None) any damaged or mismatched one. The engine computes a missing index on first
-use (`extra["sift"]["index_computed"]`); `sparse_plan` gives a document without an index dense attention. Carrying
-indexes with documents (node metadata) is not wired yet.
+use (`extra["sift"]["index_computed"]`); `sparse_plan` gives a document without an index dense attention. An index
+can also ride with its document (`Document.sift_index`, the bytes of `FusionEngine.sift_index_bytes`; the LlamaIndex
+and LangChain precompute transforms write it into node / Document metadata and the query paths read it back): it is
+used only if `from_bytes` accepts it for that request's key, else the document is prefilled densely and counted in
+`extra["sift"]["index_rejected"]`.
 """
 from __future__ import annotations
 
 import hashlib
 import struct
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -54,6 +57,14 @@ class SiftIndex:
     n_tokens: int
     local: Tensor
     cross: Tensor
+    _device_copy: tuple = field(default=None, repr=False, compare=False)
+
+    def on(self, device) -> tuple[Tensor, Tensor]:
+        """(local, cross) as float tensors on `device`, moved once and kept (a plan reads them per request)."""
+        device = torch.device(device)
+        if self._device_copy is None or self._device_copy[0] != device:
+            self._device_copy = (device, self.local.to(device, torch.float32), self.cross.to(device, torch.float32))
+        return self._device_copy[1], self._device_copy[2]
 
     @property
     def n_blocks(self) -> int:
@@ -140,8 +151,8 @@ def compute_index(engine, doc_ids: list[int], block: int = 16, local_mass: float
     h = dec.embed_tokens(ids)
     for i in range(spec.n_layers):
         q, k, v = dec.project(i, h)
-        kk = torch.cat([prefix.k[i].to(k.dtype), k])
-        vv = torch.cat([prefix.v[i].to(v.dtype), v])
+        kk = torch.cat([prefix.k[i].to(k.device, k.dtype), k])  # the prefix may live in host memory (host tier)
+        vv = torch.cat([prefix.v[i].to(v.device, v.dtype), v])
         qr = apply_rope(q, cos[p:p + n], sin[p:p + n]).float()
         kr = apply_rope(kk, cos[:p + n], sin[:p + n]).float().repeat_interleave(group, dim=1)
         vf = vv.float().repeat_interleave(group, dim=1)
@@ -165,14 +176,16 @@ def compute_index(engine, doc_ids: list[int], block: int = 16, local_mass: float
     return SiftIndex(block, n, local, cross)
 
 
-def _block_map(start: int, n_tokens: int, block_loc: int, block_abs: int, n_abs: int) -> Tensor:
-    """[nb_local, n_abs] bool: which absolute kernel blocks each document-local block's tokens fall in."""
+def _span_map(start: int, n_tokens: int, block_loc: int, block_abs: int) -> tuple[int, Tensor]:
+    """(first kernel block b0, [nb_local, w] float): which of the kernel blocks b0 .. b0 + w - 1 each
+    document-local block's tokens fall in (a document covers a contiguous run of kernel blocks)."""
     nb = -(-n_tokens // block_loc)
     lo = start + torch.arange(nb) * block_loc
     hi = torch.clamp(lo + block_loc, max=start + n_tokens) - 1
     first, last = lo // block_abs, hi // block_abs
-    cols = torch.arange(n_abs)
-    return (cols[None, :] >= first[:, None]) & (cols[None, :] <= last[:, None])
+    b0 = int(first[0])
+    cols = torch.arange(b0, int(last[-1]) + 1)
+    return b0, ((cols[None, :] >= first[:, None]) & (cols[None, :] <= last[:, None])).float()
 
 
 def sparse_plan(n: int, n_layers: int, docs: list[tuple[int, int, SiftIndex | None]], block: int,
@@ -180,52 +193,53 @@ def sparse_plan(n: int, n_layers: int, docs: list[tuple[int, int, SiftIndex | No
     """Per layer (key-block lists [NB, M] int32, counts [NB] int32) for a prompt of `n` tokens; and the density
     (share of the causal block pairs attended, averaged over layers).
 
+    Every layer is built at once on `device` ([n_layers, NB, NB] block masks; each document touches only the
+    square of kernel blocks it covers and the columns of its cross marks), with one host read at the end (the
+    lists' width and the density).
+
     Args:
         docs: (start, end, index or None) of each document in prompt order. The prefix (rows before the first
             document) is seen by every query and the tail (rows after the last) sees everything; glue rows between
             documents (titles) get the local window only.
         block: the kernel's block size.
     """
+    device = torch.device(device)
     nb = -(-n // block)
-    tril = torch.tril(torch.ones(nb, nb, dtype=torch.bool))
-    blk = torch.arange(n) // block
+    tril = torch.tril(torch.ones(nb, nb, dtype=torch.bool, device=device))
     first = min((s for s, _, _ in docs), default=n)
     last = max((e for _, e, _ in docs), default=n)
-    dense_q = torch.zeros(nb, dtype=torch.bool)  # blocks with a prefix or tail row: they attend to everything before
-    dense_q[blk[:first]] = True
-    dense_q[blk[last:]] = True
-    dense_k = torch.zeros(nb, dtype=torch.bool)  # the prefix (system prompt, attention sink): seen by every query
-    dense_k[blk[:first]] = True
-    # glue between documents (titles) is neither: its rows attend like their neighbours (window), the tail sees it
-    maps = [(s, e, idx, _block_map(s, e - s, idx.block, block, nb) if idx is not None else None)
-            for s, e, idx in docs]
-    lists, counts, dens = [], [], 0.0
-    eye = torch.eye(nb, dtype=torch.bool)
-    window = eye | torch.diag(torch.ones(nb - 1, dtype=torch.bool), -1)
-    for layer in range(n_layers):
-        m = window.clone()
-        m[dense_q] = True
-        m[:, dense_k] = True
-        for s, e, idx, pm in maps:
-            q_blocks = torch.zeros(nb, dtype=torch.bool)
-            q_blocks[blk[s:e]] = True
-            if idx is None:  # no usable index: this document's rows attend densely
-                m[q_blocks] = True
-                continue
-            pmf = pm.float()
-            m |= (pmf.T @ idx.local[layer].float() @ pmf) > 0  # its own marked blocks, mapped to kernel blocks
-            keys = (idx.cross[layer].float() @ pmf) > 0
-            later = torch.zeros(nb, dtype=torch.bool)
-            later[blk[e - 1]:] = True  # queries from the document's last block on (the later documents)
-            m |= later[:, None] & keys[None, :]
-        m &= tril
-        dens += float(m.sum()) / float(tril.sum())
-        cnt = m.sum(1).to(torch.int32)
-        width = int(cnt.max())
-        order = torch.argsort((~m).to(torch.int8), dim=1, stable=True)[:, :width]  # listed blocks first, ascending
-        lists.append(order.to(torch.int32).to(device))
-        counts.append(cnt.to(device))
-    return lists, counts, dens / max(1, n_layers)
+    m = torch.eye(nb, dtype=torch.bool, device=device)  # the local window: a block and the one before
+    m[1:, :-1] |= torch.eye(nb - 1, dtype=torch.bool, device=device)
+    if first > 0:  # the prefix (system prompt, attention sink): seen by every query; its own rows attend densely
+        m[:, :(first - 1) // block + 1] = True
+        m[:(first - 1) // block + 1] = True
+    if last < n:  # blocks with a tail row attend to everything before
+        m[last // block:] = True
+    m = m.unsqueeze(0).repeat(n_layers, 1, 1)
+    for s, e, idx in docs:
+        qb0, qb1 = s // block, (e - 1) // block + 1
+        if idx is None:  # no usable index: this document's rows attend densely
+            m[:, qb0:qb1] = True
+            continue
+        local, cross = idx.on(device)  # [L, nbl, nbl], [L, nbl] float
+        b0, pm = _span_map(s, e - s, idx.block, block)
+        pm = pm.to(device)
+        w = pm.shape[1]
+        m[:, b0:b0 + w, b0:b0 + w] |= (pm.T @ local @ pm) > 0  # its own marked blocks, mapped to kernel blocks
+        keys = (cross @ pm) > 0  # [L, w]
+        # queries from the document's last block on (the later documents) see its cross-marked blocks
+        m[:, (e - 1) // block:, b0:b0 + w] |= keys[:, None, :]
+    m &= tril
+    cnt = m.sum(2, dtype=torch.int32)  # [L, NB]
+    width, kept = torch.stack([cnt.max().long(), cnt.sum(dtype=torch.long)]).tolist()  # the one host read
+    # listed blocks compacted to the front of each row, ascending (a cumulative count, no sort); unlisted ones are
+    # sent to a spare last column, dropped; the padding after a row's count is 0 (never read)
+    slot = torch.where(m, m.cumsum(2, dtype=torch.int32) - 1, width).long()
+    cols = torch.arange(nb, dtype=torch.int32, device=device).expand_as(slot)
+    lists = torch.zeros(n_layers, nb, width + 1, dtype=torch.int32, device=device).scatter_(2, slot, cols)
+    lists = lists[:, :, :width]
+    density = kept / float(n_layers * nb * (nb + 1) // 2)
+    return [x.contiguous() for x in lists.unbind(0)], list(cnt.unbind(0)), density
 
 
 class IndexStore:

@@ -33,12 +33,17 @@ class Document:
             the same cache), and no tokenizer is called for it. Any sequence of ints >= 0 or a 1-D integer tensor;
             stored as a tuple (checked against the model's vocabulary by the engine). Such a document can't be
             found inside chat messages (that search is by text).
+        sift_index: optional; the document's selective index as bytes (`FusionEngine.sift_index_bytes`), carried
+            with it (node or Document metadata) so that `strategy="sift"` needs no index store. It is checked at use:
+            an index made for another model, tokenizer, prompt layout or text, or damaged, is never used (that
+            document is prefilled densely, counted in `extra["sift"]["index_rejected"]`).
     """
 
     id: str
     text: str = ""
     title: str = ""
     token_ids: tuple[int, ...] | None = None
+    sift_index: bytes | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.id, str) or not self.id:
@@ -60,6 +65,11 @@ class Document:
                              f"{at} (not valid Unicode text)")
         if not isinstance(self.title, str):
             raise ValueError(f"document {self.id!r}: title must be a string, got {type(self.title).__name__}")
+        if self.sift_index is not None:
+            if not isinstance(self.sift_index, (bytes, bytearray, memoryview)):
+                raise ValueError(f"document {self.id!r}: sift_index must be bytes (FusionEngine.sift_index_bytes), got "
+                                 f"{type(self.sift_index).__name__}")
+            object.__setattr__(self, "sift_index", bytes(self.sift_index))
         if lone_surrogate(self.title) is not None:
             raise ValueError(f"document {self.id!r}: title contains a lone surrogate (not valid Unicode text)")
 
@@ -90,7 +100,8 @@ def as_documents(docs: Iterable[Any]) -> list[Document]:
             if title is not None and not isinstance(title, str):
                 raise ValueError(f"docs[{i}]: 'title' must be a string, got {type(title).__name__}")
             did = next((d[k] for k in ("id", "doc_id") if d.get(k) not in (None, "")), f"doc-{i}")
-            out.append(Document(check_doc_id(did, f"docs[{i}] id"), text, (title or "").strip(), ids))
+            out.append(Document(check_doc_id(did, f"docs[{i}] id"), text, (title or "").strip(), ids,
+                                d.get("sift_index")))
         elif isinstance(d, (tuple, list)) and len(d) == 2:
             out.append(Document(check_doc_id(d[0], f"docs[{i}] id"), d[1]))
         else:

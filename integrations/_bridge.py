@@ -5,13 +5,20 @@ Nothing here imports LlamaIndex or LangChain, so it can be tested and reused wit
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import hashlib
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from kvfuse.engine.types import GenerationResult
 
-__all__ = ["content_id", "result_stats", "adeltas", "arun", "GENERATION_OPTIONS"]
+__all__ = ["content_id", "result_stats", "adeltas", "arun", "GENERATION_OPTIONS", "SIFT_METADATA_KEY",
+           "encode_index", "decode_index", "is_index_strategy"]
+
+#: The metadata key under which a node / LangChain Document carries its sift index (base64 of
+#: `FusionEngine.sift_index_bytes`); the integrations keep it out of the embedded and the LLM's text.
+SIFT_METADATA_KEY = "kvfuse_sift_index"
 
 #: Per-call options forwarded to `FusionEngine.generate` / `.stream` (everything else is rejected).
 GENERATION_OPTIONS = ("strategy", "recompute_ratio", "max_new_tokens", "temperature", "top_p", "seed", "stop")
@@ -23,6 +30,31 @@ def content_id(text: str) -> str:
     The engine keys its caches by content anyway; this only gives equal texts equal handles.
     """
     return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()[:32]
+
+
+def encode_index(data: bytes) -> str:
+    """A sift index as metadata: ASCII base64 (JSON-safe, as every docstore and vector store needs)."""
+    return base64.b64encode(data).decode("ascii")
+
+
+def decode_index(value: Any) -> bytes | None:
+    """The index bytes a metadata value carries; None when there is none. A value that is not valid base64 comes
+    back as empty bytes, so the engine counts it as a rejected index (the document is prefilled densely)."""
+    if value is None:
+        return None
+    try:
+        return base64.b64decode(value, validate=True) if isinstance(value, (str, bytes)) else b""
+    except (binascii.Error, ValueError):
+        return b""
+
+
+def is_index_strategy(strategy: Any) -> bool:
+    """True when `strategy` (a name, a spec string or a Strategy) keeps selective indexes instead of K/V caches."""
+    if strategy is None:
+        return False
+    from kvfuse.engine.fusion import make_strategy
+
+    return bool(getattr(make_strategy(strategy), "sparse_index", False))
 
 
 def result_stats(result: GenerationResult | None) -> dict[str, Any]:

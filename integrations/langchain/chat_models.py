@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, Valid
 
 from kvfuse.engine.fusion import DEFAULT_STRATEGY
 from kvfuse.engine.types import Document, GenerationResult, as_documents
-from .._bridge import adeltas, arun, content_id, result_stats
+from .._bridge import SIFT_METADATA_KEY, adeltas, arun, content_id, decode_index, result_stats
 
 __all__ = ["ChatKVFuse", "lc_documents_to_documents", "messages_to_chat"]
 
@@ -53,13 +53,15 @@ def lc_documents_to_documents(docs: Sequence[Any] | None) -> list[Document]:
 
     A LangChain document's body is its `page_content`, exactly: that text is what is cached, and what is found
     again inside a stuffed prompt (metadata is not part of it). Its id is `doc.id`, else `doc.metadata["id"]`,
-    else a hash of its text; ids are only handles, the engine finds caches by content.
+    else a hash of its text; ids are only handles, the engine finds caches by content. A sift index carried in
+    `doc.metadata["kvfuse_sift_index"]` (written by `KVFusePrecompute(engine, strategy="sift")`) rides along.
     """
     out: list[Any] = []
     for d in docs or []:
         if isinstance(d, LCDocument):
             doc_id = d.id or d.metadata.get("id") or content_id(d.page_content)
-            out.append(Document(str(doc_id), d.page_content))
+            out.append(Document(str(doc_id), d.page_content,
+                                sift_index=decode_index(d.metadata.get(SIFT_METADATA_KEY))))
         else:
             out.append(d)
     return as_documents(out)

@@ -1,8 +1,15 @@
 """`KVFusePrecompute`: an ingestion transform that computes each node's KV cache while it is indexed.
 
 Place it after the node parser (node text is final there) in an `IngestionPipeline` or in
-`VectorStoreIndex.from_documents(..., transformations=[...])`. Nodes pass through unchanged (no metadata is
-added: that would change what the LLM sees).
+`VectorStoreIndex.from_documents(..., transformations=[...])`. Nodes pass through unchanged, except with
+`strategy="sift"`: then no K/V cache is computed, and each node gets its selective index (a few KB, base64) in
+`node.metadata["kvfuse_sift_index"]`, a key excluded from the embedded text and from the LLM's view. The index is
+stored with the node in the docstore and vector store, and `FusionQueryEngine` reads it from the retrieved nodes,
+so that tier needs no cache server at all:
+
+    index = VectorStoreIndex.from_documents(docs, transformations=[splitter, KVFusePrecompute(engine,
+                                                                                              strategy="sift")])
+    FusionQueryEngine.from_index(index, engine=engine, strategy="sift").query(...)
 
 Each node's body (`node.get_content(metadata_mode=MetadataMode.NONE)`) is computed and registered with the
 engine, so the stock paths fuse it: LlamaIndex's prompt templates contain that text, and the engine finds it
@@ -25,6 +32,7 @@ index's persist folder, so the index and its caches travel together:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import time
 from collections.abc import Iterable, Sequence
@@ -35,6 +43,7 @@ from llama_index.core.schema import BaseNode, MetadataMode, TransformComponent
 
 from kvfuse.engine.types import PrecomputeReport
 
+from .._bridge import SIFT_METADATA_KEY, encode_index, is_index_strategy
 from .llm import _unpicklable, nodes_to_documents
 
 __all__ = ["KVFusePrecompute", "kvfuse_cache_dir"]
@@ -71,6 +80,9 @@ class KVFusePrecompute(TransformComponent):
         batch_size: nodes per `engine.precompute` call (the engine is free for queries between two calls).
         show_progress: a tqdm bar over the nodes (`IngestionPipeline.run(show_progress=...)` does not reach
             transforms, so set it here).
+        strategy: also compute this strategy's offline data (`FusionEngine.precompute`); an index strategy
+            (`"sift"`, or a sift spec string) computes each node's selective index instead of its cache and writes
+            it into the node's metadata (see the module docstring).
         model_name: recorded in the pipeline's cache key (defaults to the engine's model name).
         Unknown settings raise `TypeError`.
     """
@@ -81,6 +93,8 @@ class KVFusePrecompute(TransformComponent):
     metadata_mode: MetadataMode = Field(default=MetadataMode.LLM, description="Metadata view of the node titles.")
     batch_size: int = Field(default=16, gt=0, description="Nodes per engine.precompute call.")
     show_progress: bool = Field(default=False, description="Show a progress bar over the nodes.")
+    strategy: str | None = Field(default=None, description="Strategy whose offline data is computed too ('sift': "
+                                                           "indexes into node metadata instead of caches).")
 
     _engine: Any = PrivateAttr()
     _report: PrecomputeReport | None = PrivateAttr(default=None)
@@ -92,10 +106,11 @@ class KVFusePrecompute(TransformComponent):
         unknown = sorted(k for k in kwargs if k not in type(self).model_fields)
         if unknown:
             raise TypeError(f"KVFusePrecompute got unknown settings {unknown}; it takes model_name, metadata_mode, "
-                            "batch_size, show_progress")
+                            "batch_size, show_progress, strategy")
         kwargs.setdefault("model_name", str(getattr(engine, "model_name", "")))
         super().__init__(**kwargs)
         self._engine = engine
+        is_index_strategy(self.strategy)  # a bad strategy fails here, before any node is seen
 
     @classmethod
     def class_name(cls) -> str:
@@ -116,13 +131,18 @@ class KVFusePrecompute(TransformComponent):
         start = time.perf_counter()
         show = bool(kwargs.get("show_progress", self.show_progress))
         pairs = [(n, d) for n in nodes for d in nodes_to_documents([n], self.metadata_mode)]
+        indexes = is_index_strategy(self.strategy)
         hits = misses = tokens = 0
         bar = _bar(len(pairs), show)
         try:
             for i in range(0, len(pairs), self.batch_size):
                 batch = pairs[i:i + self.batch_size]
-                report = self._engine.precompute([d for _, d in batch])
+                batch_docs = [dataclasses.replace(d, sift_index=None) for _, d in batch]
+                report = self._engine.precompute(batch_docs, strategy=self.strategy)
                 hits, misses, tokens = hits + report.hits, misses + report.misses, tokens + report.tokens
+                if indexes:  # computed just above: these are store hits, serialised into the nodes' metadata
+                    for (node, _), blob in zip(batch, self._engine.sift_index_bytes(batch_docs, self.strategy)):
+                        _attach_index(node, blob)
                 for node, doc in batch:
                     self._ref_docs.setdefault(node.ref_doc_id or node.node_id, set()).add(doc.id)
                 if bar is not None:
@@ -169,6 +189,14 @@ class KVFusePrecompute(TransformComponent):
         index.delete_ref_doc(ref_doc_id, **delete_kwargs)
         self._ref_docs.pop(ref_doc_id, None)
         return int(self._engine.forget(ids)) if ids else 0
+
+
+def _attach_index(node: BaseNode, blob: bytes) -> None:
+    """Writes a sift index into the node's metadata, out of the embedded text and of the LLM's view."""
+    node.metadata[SIFT_METADATA_KEY] = encode_index(blob)
+    for keys in (node.excluded_embed_metadata_keys, node.excluded_llm_metadata_keys):
+        if SIFT_METADATA_KEY not in keys:
+            keys.append(SIFT_METADATA_KEY)
 
 
 def _bar(total: int, show: bool) -> Any:

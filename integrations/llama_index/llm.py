@@ -36,7 +36,7 @@ from pydantic import AliasChoices, TypeAdapter, ValidationError
 from kvfuse.engine.fusion import DEFAULT_STRATEGY
 from kvfuse.engine.types import Document, GenerationResult, as_documents
 
-from .._bridge import adeltas, arun, content_id, result_stats
+from .._bridge import SIFT_METADATA_KEY, decode_index, adeltas, arun, content_id, result_stats
 
 __all__ = ["FusionLLM", "nodes_to_documents", "messages_to_chat", "UNFUSED_WARNING_CHARS"]
 
@@ -61,13 +61,14 @@ def _node_document(node: BaseNode, metadata_mode: MetadataMode) -> Document | No
     if not body:
         return None
     node_id = node.node_id or content_id(body)
+    index = decode_index((node.metadata or {}).get(SIFT_METADATA_KEY))  # a sift index carried with the node
     view = node.get_content(metadata_mode=metadata_mode).strip()
     if view == body:
-        return Document(node_id, body)
+        return Document(node_id, body, sift_index=index)
     if view.endswith(body):  # LlamaIndex's "{metadata_str}\n\n{content}": title + "\n" + body == the LLM's view
         head = view[:-len(body)]
-        return Document(node_id, body, head[:-1] if head.endswith("\n") else head)
-    return Document(node_id, view)  # a custom text_template (body not at the end): the whole view is the document
+        return Document(node_id, body, head[:-1] if head.endswith("\n") else head, sift_index=index)
+    return Document(node_id, view, sift_index=index)  # a custom text_template: the whole view is the document
 
 
 def nodes_to_documents(nodes: Sequence[Any], metadata_mode: MetadataMode = MetadataMode.LLM) -> list[Document]:

@@ -136,3 +136,33 @@ def test_model_off_the_engine_device_is_refused():
     with pytest.raises(ValueError, match="lm_head"):
         FusionEngine(model, tok, EngineConfig(), model_fingerprint=info.fingerprint,
                      tokenizer_fingerprint=info.tokenizer_fingerprint)
+
+
+def test_sift_on_every_tier_matches_the_cpu_plan():
+    """sift on CUDA: pool and pinned host tier (whose shared prefix lives in host memory: index computation once
+    failed there) give the same tokens; the block lists built on the GPU equal those built on the CPU; an index
+    carried as bytes is served without the store."""
+    from kvfuse import Document
+    from kvfuse.engine.fusion import make_strategy
+    from kvfuse.engine.sift import sparse_plan
+
+    kw = dict(strategy="sift", local_mass=0.6, cross_mass=0.4, kernel_block=16, max_new_tokens=6)
+    pool = _engine("llama3", kv_tier="pool")
+    host = _engine("llama3", kv_tier="host")
+    ref = pool.generate(QUESTION, DOCS, **kw)
+    got = host.generate(QUESTION, DOCS, **kw)
+    assert got.token_ids == ref.token_ids and got.extra["sift"]["density"] == ref.extra["sift"]["density"] < 1.0
+    layout = pool.layout(QUESTION, DOCS)
+    strat = make_strategy("sift", local_mass=0.6, cross_mass=0.4)
+    idx = [pool.sift_indexes.get(pool._sift_key(ids.tolist(), strat)) for ids in layout.doc_ids]
+    assert all(i is not None for i in idx)
+    spans = [(sp.start, sp.end, i) for sp, i in zip(layout.docs, idx)]
+    a = sparse_plan(layout.n, pool.decoder.spec.n_layers, spans, 16, "cuda")
+    b = sparse_plan(layout.n, pool.decoder.spec.n_layers, spans, 16, "cpu")
+    assert a[2] == b[2] and all(torch.equal(x.cpu(), y) for x, y in zip(a[0] + a[1], b[0] + b[1]))
+    blobs = pool.sift_index_bytes(DOCS, "sift:local_mass=0.6:cross_mass=0.4")
+    fresh = _engine("llama3", kv_tier="pool")
+    carried = fresh.generate(QUESTION, [Document(d[0], d[1], sift_index=x) for d, x in zip(DOCS, blobs)], **kw)
+    assert carried.extra["sift"]["index_carried"] == len(DOCS) and carried.token_ids == ref.token_ids
+    for e in (pool, host, fresh):
+        e.close()

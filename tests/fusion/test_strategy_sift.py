@@ -3,8 +3,10 @@ block lists follow the index exactly (a hand-built index gives the hand-built ma
 attention; indexes round-trip through bytes and any damage or mismatch is refused; precompute stores indexes only."""
 from __future__ import annotations
 
+import pytest
 import torch
 
+from kvfuse import Document
 from kvfuse.engine.fusion import make_strategy
 from kvfuse.engine.sift import SiftIndex, sparse_plan
 
@@ -100,3 +102,105 @@ def test_index_bytes_round_trip_and_refuse_damage():
         assert SiftIndex.from_bytes(bytes(bad), key, 3, 14) is None
     assert SiftIndex.from_bytes(data[:-5], key, 3, 14) is None
     assert SiftIndex.from_bytes(b"", key, 3, 14) is None and SiftIndex.from_bytes("text", key, 3, 14) is None
+
+
+def _plan_reference(n, n_layers, docs, block):
+    """The block masks by the rules, block pair by block pair (the oracle of the vectorised `sparse_plan`)."""
+    nb = -(-n // block)
+    first = min((s for s, _, _ in docs), default=n)
+    last = max((e for _, e, _ in docs), default=n)
+    out = torch.zeros(n_layers, nb, nb, dtype=torch.bool)
+    tok_blk = lambda t: t // block  # noqa: E731
+    for layer in range(n_layers):
+        for qb in range(nb):
+            for kb in range(qb + 1):
+                rows = range(qb * block, min(n, (qb + 1) * block))
+                keys = range(kb * block, min(n, (kb + 1) * block))
+                ok = kb >= qb - 1  # window
+                ok |= any(r < first or r >= last for r in rows)  # prefix / tail rows attend densely
+                ok |= any(k < first for k in keys)  # everyone sees the prefix
+                for s, e, idx in docs:
+                    mine = [r for r in rows if s <= r < e]
+                    if not mine:
+                        continue
+                    if idx is None:
+                        ok = True
+                        continue
+                    for r in mine:  # its own marked blocks
+                        lq = (r - s) // idx.block
+                        ok |= any(idx.local[layer, lq, (k - s) // idx.block] for k in keys if s <= k < e)
+                for s, e, idx in docs:  # earlier documents' cross marks, from their last block on
+                    if idx is None or qb < tok_blk(e - 1):
+                        continue
+                    ok |= any(idx.cross[layer, (k - s) // idx.block] for k in keys if s <= k < e)
+                out[layer, qb, kb] = ok
+    return out
+
+
+def test_vectorised_plan_matches_the_rules_on_random_indexes():
+    g = torch.Generator().manual_seed(3)
+    # prefix [0, 5), doc [5, 27) (local block 4), glue [27, 30), doc [30, 61) (local block 8), no-index doc
+    # [61, 70), tail [70, 77); kernel blocks of 8: documents start and end inside kernel blocks
+    spans = [(5, 27, 4), (30, 61, 8), (61, 70, None)]
+    docs = []
+    for s, e, b in spans:
+        if b is None:
+            docs.append((s, e, None))
+            continue
+        nbl = -(-(e - s) // b)
+        local = torch.tril(torch.rand(3, nbl, nbl, generator=g) < 0.35)
+        cross = torch.rand(3, nbl, generator=g) < 0.3
+        docs.append((s, e, SiftIndex(b, e - s, local, cross)))
+    lists, counts, density = sparse_plan(77, 3, docs, 8, "cpu")
+    want = _plan_reference(77, 3, docs, 8)
+    for layer in range(3):
+        got = torch.zeros_like(want[layer])
+        for qb in range(want.shape[1]):
+            row = lists[layer][qb, :counts[layer][qb]].tolist()
+            assert row == sorted(row) and qb in row
+            got[qb, row] = True
+        assert torch.equal(got, want[layer]), (layer, got.int(), want[layer].int())
+    nb = want.shape[1]
+    assert density == pytest.approx(float(want.sum()) / (3 * nb * (nb + 1) / 2))
+    assert density < 1.0
+
+
+def test_carried_indexes_are_used_and_bad_ones_refused(tiny_engine):
+    engine = tiny_engine("llama")
+    docs = DOCS + LONG
+    sparse = dict(strategy="sift", block=4, local_mass=0.5, cross_mass=0.3)
+    blobs = engine.sift_index_bytes(docs, "sift:block=4:local_mass=0.5:cross_mass=0.3")
+    assert all(isinstance(b, bytes) and 100 < len(b) < 4096 for b in blobs)
+    carried = [Document(d[0], d[1], sift_index=b) for d, b in zip(docs, blobs)]
+    fresh = tiny_engine("llama")  # no index store: the carried bytes are all it has
+    answer = fresh.generate(QUESTION, docs, strategy="full", max_new_tokens=5).token_ids
+    r = fresh.generate(QUESTION, carried, max_new_tokens=3, **sparse)
+    assert r.extra["sift"]["index_carried"] == 5 and r.extra["sift"]["index_computed"] == 0
+    assert len(fresh.sift_indexes) == 0
+    stored = fresh.generate(QUESTION, docs, max_new_tokens=3, **sparse)  # computes the same indexes itself
+    assert stored.extra["sift"]["index_computed"] == 5 and stored.token_ids == r.token_ids
+
+    # refused: damaged, truncated, another document's, other index settings; those documents attend densely
+    other = fresh.sift_index_bytes(docs, "sift:block=8:local_mass=0.5:cross_mass=0.3")
+    flipped = bytearray(blobs[0])
+    flipped[len(flipped) // 2] ^= 0x10
+    bad = [bytes(flipped), blobs[1][:-7], blobs[0], other[3], b"not an index"]
+    refused = [Document(d[0], d[1], sift_index=b) for d, b in zip(docs, bad)]
+    r2 = fresh.generate(QUESTION, refused, max_new_tokens=3, **sparse)
+    assert r2.extra["sift"]["index_rejected"] == 5 and r2.extra["sift"]["index_carried"] == 0
+    full = fresh.next_token_logprobs(QUESTION, docs, answer, strategy="full")
+    dense = fresh.next_token_logprobs(QUESTION, refused, answer, strategy=make_strategy(
+        "sift", block=4, local_mass=0.5, cross_mass=0.3))
+    torch.testing.assert_close(dense, full, atol=1e-4, rtol=0)  # every document dense: full prefill
+    low = fresh.next_token_logprobs(QUESTION, carried, answer, strategy=make_strategy(
+        "sift", block=4, local_mass=0.5, cross_mass=0.3))
+    assert (low - full).abs().max() > 1e-3  # the intact indexes really are sparse: the check above can fail
+
+
+def test_a_carried_index_must_be_bytes():
+    with pytest.raises(ValueError, match="sift_index must be bytes"):
+        Document("d", "text", sift_index="AAAA")
+    assert Document("d", "text", sift_index=bytearray(b"ab")).sift_index == b"ab"
+    with pytest.raises(ValueError, match="keeps no selective index"):
+        from kvfuse.engine.api import FusionEngine
+        FusionEngine.sift_index_bytes(object.__new__(FusionEngine), [("d", "t")], "reuse")

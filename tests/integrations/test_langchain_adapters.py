@@ -185,3 +185,35 @@ def test_engine_loads_lazily_from_a_model_name(tiny_model):
     assert isinstance(chat.engine, FusionEngine) and chat.get_engine() is chat.engine
     assert out.response_metadata["kvfuse"]["cache_misses"] == 1
     chat.engine.close()
+
+
+def test_sift_indexes_ride_in_document_metadata_through_a_vector_store(tiny_model):
+    from langchain_core.embeddings import DeterministicFakeEmbedding
+    from langchain_core.vectorstores import InMemoryVectorStore
+
+    from kvfuse.integrations._bridge import SIFT_METADATA_KEY
+    from kvfuse.integrations.langchain import KVFusePrecompute
+
+    path = str(tiny_model("llama"))
+    ingest = FusionEngine.from_pretrained(path, device="cpu", dtype="fp32", disk_cache=False)
+    serve = FusionEngine.from_pretrained(path, device="cpu", dtype="fp32", disk_cache=False)
+    try:
+        with pytest.raises(ValueError, match="index strategy"):
+            KVFusePrecompute(ingest, strategy="sift", compute=False)
+        pre = KVFusePrecompute(ingest, strategy="sift:block=4")
+        out = pre.transform_documents(DOCS)
+        assert all(SIFT_METADATA_KEY not in d.metadata for d in DOCS)  # the inputs are left as they were
+        assert [d.page_content for d in out] == [d.page_content for d in DOCS] and pre.last_report.misses == 3
+        store = InMemoryVectorStore(DeterministicFakeEmbedding(size=8))
+        store.add_documents(out)
+        found = store.similarity_search("Who founded the festival?", k=3)
+        chat = ChatKVFuse(engine=serve, strategy="sift:block=4", max_tokens=2)
+        sift = chat.invoke("Who founded the festival?", documents=found).response_metadata["kvfuse"]["extra"]["sift"]
+        assert (sift["index_carried"], sift["index_computed"], sift["index_rejected"]) == (3, 0, 0)
+        found[1].metadata[SIFT_METADATA_KEY] = "not base64!"
+        found[2].metadata[SIFT_METADATA_KEY] = found[0].metadata[SIFT_METADATA_KEY]  # another document's index
+        sift = chat.invoke("Who founded the festival?", documents=found).response_metadata["kvfuse"]["extra"]["sift"]
+        assert (sift["index_carried"], sift["index_rejected"]) == (1, 2)
+    finally:
+        ingest.close()
+        serve.close()
