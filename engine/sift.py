@@ -144,8 +144,8 @@ def compute_index(engine, doc_ids: list[int], block: int = 16, local_mass: float
     nb = -(-n // block)
     cos, sin = engine.runner.rope(p + n)
     pos = torch.arange(p + n, device=dec.device)
-    local = torch.zeros(spec.n_layers, nb, nb, dtype=torch.bool)
-    cross = torch.zeros(spec.n_layers, nb, dtype=torch.bool)
+    local, cross = [], []  # per layer, on the device: one copy to the host at the end (no sync per layer)
+    tril = torch.tril(torch.ones(nb, nb, dtype=torch.bool, device=dec.device))
     group = spec.n_heads // spec.n_kv_heads
     blk = torch.arange(n, device=dec.device) // block  # each document token's block
     h = dec.embed_tokens(ids)
@@ -170,10 +170,9 @@ def compute_index(engine, doc_ids: list[int], block: int = 16, local_mass: float
             mass.index_add_(0, blk[a:b], per_key_block)
         h = dec.finish(i, h, torch.cat(outs))
         mass = torch.tril(mass)
-        local[i] = (_fewest_covering(mass, local_mass) & torch.tril(torch.ones(nb, nb, dtype=torch.bool,
-                                                                                 device=mass.device))).cpu()
-        cross[i] = _fewest_covering(mass.sum(0)[None], cross_mass)[0].cpu()
-    return SiftIndex(block, n, local, cross)
+        local.append(_fewest_covering(mass, local_mass) & tril)
+        cross.append(_fewest_covering(mass.sum(0)[None], cross_mass)[0])
+    return SiftIndex(block, n, torch.stack(local).cpu(), torch.stack(cross).cpu())
 
 
 def _span_map(start: int, n_tokens: int, block_loc: int, block_abs: int) -> tuple[int, Tensor]:
