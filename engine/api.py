@@ -1,6 +1,7 @@
 """FusionEngine: question + documents in, answer out, through cached document KV. No tensor math here."""
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import re
@@ -37,6 +38,9 @@ from .types import AsyncGenerationStream, Document, GenerationResult, Generation
 from .validate import check_int, check_real, check_strategy, check_text, check_token_ids
 
 __all__ = ["FusionEngine", "DEFAULT_MODEL"]
+
+#: Most documents whose sift index waits to be built between requests (the oldest are dropped beyond it).
+MAX_INDEX_BACKLOG = 4096
 
 DEFAULT_MODEL = "qwen2.5-coder-0.5b"
 _END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "</s>", "<|end|>")
@@ -117,6 +121,7 @@ class FusionEngine:
         # requests run on the scheduler's thread, decoded together (engine/scheduler.py); other model work takes
         # the engine between two of its iterations (`self.scheduler.exclusive()`)
         self.sift_indexes = IndexStore()  # sift's selective indexes, apart from the K/V caches (engine/sift.py)
+        self._index_backlog: collections.OrderedDict = collections.OrderedDict()  # key -> (ids, strategy) to build
         self.decoding = Decoding(self.runner, self._make_arena(), self.config.cuda_graphs)
         self.scheduler = Scheduler(self, self.decoding, self.config.max_batch_size, self.config.max_queued_requests,
                                    self.config.prefill_tokens_per_step)
@@ -642,7 +647,7 @@ class FusionEngine:
         block = strat.kernel_block or (64 if self.device.type == "cuda" else 16)
         carried = [d.sift_index for d in docs] if docs is not None and len(docs) == len(layout.docs) else None
         n_layers = self.decoder.spec.n_layers
-        plan, hits, computed, used, rejected = [], 0, 0, 0, 0
+        plan, hits, computed, used, rejected, deferred = [], 0, 0, 0, 0, 0
         with _on_device(self.device):
             for i, (sp, ids) in enumerate(zip(layout.docs, layout.doc_ids)):
                 data = carried[i] if carried is not None else None
@@ -651,6 +656,16 @@ class FusionEngine:
                     idx = SiftIndex.from_bytes(data, self._sift_key(ids_l, strat), n_layers, len(ids_l))
                     used += idx is not None
                     rejected += idx is None
+                elif strat.on_miss == "dense":  # a miss attends densely now; its index is built when idle
+                    ids_l = ids.tolist()
+                    key = self._sift_key(ids_l, strat)
+                    idx = self.sift_indexes.get(key)
+                    hits += idx is not None
+                    if idx is None:
+                        deferred += 1
+                        self._index_backlog.setdefault(key, (ids_l, strat))
+                        while len(self._index_backlog) > MAX_INDEX_BACKLOG:  # never idle: the oldest wait longest
+                            self._index_backlog.popitem(last=False)
                 else:
                     idx, hit = self._sift_index(ids.tolist(), strat)
                     hits += hit
@@ -658,8 +673,33 @@ class FusionEngine:
                 plan.append((sp.start, sp.end, idx))
             lists, counts, density = sparse_plan(layout.n, n_layers, plan, block, self.device)
         return (lists, counts, block), {"index_hits": hits, "index_computed": computed, "index_carried": used,
-                                        "index_rejected": rejected, "density": round(density, 4),
-                                        "kernel_block": block}
+                                        "index_rejected": rejected, "index_deferred": deferred,
+                                        "density": round(density, 4), "kernel_block": block}
+
+    def build_deferred_index(self) -> bool:
+        """Builds one index that a request deferred (sift's `on_miss="dense"`); False when none is waiting. The
+        scheduler calls it between requests (never while one is waiting or running)."""
+        if not self._index_backlog:
+            return False
+        key, (ids, strat) = next(iter(self._index_backlog.items()))
+        try:  # left in the backlog while it is built, so `wait_for_indexes` waits for the store to hold it
+            if key not in self.sift_indexes:
+                self.sift_indexes.put(key, compute_index(self, ids, strat.block, strat.local_mass, strat.cross_mass))
+        finally:
+            self._index_backlog.pop(key, None)
+        return True
+
+    @property
+    def deferred_indexes(self) -> int:
+        """Indexes waiting to be built between requests."""
+        return len(self._index_backlog)
+
+    def wait_for_indexes(self, timeout: float = 60.0) -> bool:
+        """Blocks until every deferred index is built (True) or `timeout` seconds pass (False)."""
+        deadline = time.monotonic() + timeout
+        while self._index_backlog and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return not self._index_backlog
 
     def sift_index_bytes(self, docs: Iterable[Any], strategy: str | Strategy = "sift") -> list[bytes]:
         """Each document's selective index, serialised (`SiftIndex.to_bytes`, a few KB; computed where missing):

@@ -86,6 +86,8 @@ class Request:
                                                        doc_ids, reserve)
             else:  # a chat: documents found by content, no reordering (the user's text stays as written)
                 layout, segs, miss_s, found = eng._prepare_chat(self.messages, self.docs, strat, reserve)
+                if getattr(strat, "sparse_index", False):  # no sparse plan for a chat: it is prefilled densely
+                    strat.sparse_plan = None
                 self.extra["documents"] = [d.id for d in found]
                 self.t_prefill, reorder_s = time.perf_counter(), 0.0
             slab = decoding.arena.alloc(layout.n + reserve)
@@ -282,15 +284,24 @@ class Scheduler:
     def _loop(self) -> None:
         from .api import _on_device
 
+        eng = self.engine
         while True:
             with self._cond:
-                while (not self.waiting and not self.running and not self._closing) or self._exclusive_waiters:
+                while ((not self.waiting and not self.running and not self._closing and not eng.deferred_indexes)
+                       or self._exclusive_waiters):
                     self._cond.wait(0.1)
                 if self._closing and not self.waiting and not self.running:
                     self._thread = None
                     return
-            with self.lock, _on_device(self.engine.device), torch.inference_mode():
-                self._iteration()
+                idle = not self.waiting and not self.running
+            with self.lock, _on_device(eng.device), torch.inference_mode():
+                if idle:  # nothing to serve: build one index a request deferred (sift), then look again
+                    try:
+                        eng.build_deferred_index()
+                    except Exception:  # noqa: BLE001  (that document stays dense; a request is never hurt)
+                        log.warning("building a deferred sift index failed", exc_info=True)
+                else:
+                    self._iteration()
             with self._cond:
                 self._cond.notify_all()
 

@@ -17,8 +17,10 @@ index attend densely. The kernel (kernels/block_sparse.py) takes one list of key
 
 Indexes are keyed like caches (namespace, prefix, document tokens) and held apart from K/V caches, in memory; they
 serialise to a few kilobytes (`SiftIndex.to_bytes`: magic, the key, shapes, packed bits, sha256) and
-`SiftIndex.from_bytes` refuses (None) any damaged or mismatched one. The engine computes a missing index on first
-use (`extra["sift"]["index_computed"]`); `sparse_plan` gives a document without an index dense attention. An index
+`SiftIndex.from_bytes` refuses (None) any damaged or mismatched one. A document with no index yet attends densely
+(`sparse_plan` with None: a full prefill's cost and answer for it) and its index is built when the engine is next
+idle (`extra["sift"]["index_deferred"]`); with `on_miss="compute"` it is built before the prefill instead
+(`extra["sift"]["index_computed"]`). An index
 can also ride with its document (`Document.sift_index`, the bytes of `FusionEngine.sift_index_bytes`; the LlamaIndex
 and LangChain precompute transforms write it into node / Document metadata and the query paths read it back): it is
 used only if `from_bytes` accepts it for that request's key, else the document is prefilled densely and counted in

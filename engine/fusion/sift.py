@@ -17,14 +17,22 @@ class Sift(Strategy):
     graph_safe = False  # the block lists change per request
     sparse_index = True
 
+    ON_MISS = ("dense", "compute")
+
     def __init__(self, block: int = 16, local_mass: float = 0.8, cross_mass: float = 0.5,
-                 kernel_block: int | None = None) -> None:
+                 kernel_block: int | None = None, on_miss: str = "dense") -> None:
         """
         Args:
             block: tokens per block of the index (document-local).
             local_mass / cross_mass: attention mass the local / cross marks must cover, in (0, 1].
             kernel_block: the kernel's block size (default: 64 on CUDA, 16 elsewhere).
+            on_miss: a document with no index yet. "dense" (default): it attends densely in this request, a full
+                prefill's cost and answer, and its index is built when the engine is next idle (counted in
+                `extra["sift"]["index_deferred"]`), so a new document never waits for its index. "compute": the
+                index is built before the prefill (one extra pass over the document on the request's path).
         """
+        if on_miss not in self.ON_MISS:
+            raise ValueError(f"on_miss must be one of {self.ON_MISS}, got {on_miss!r}")
         for name, x in (("local_mass", local_mass), ("cross_mass", cross_mass)):
             if not 0.0 < float(x) <= 1.0:
                 raise ValueError(f"{name} must be in (0, 1], got {x}")
@@ -36,6 +44,7 @@ class Sift(Strategy):
         self.local_mass = float(local_mass)
         self.cross_mass = float(cross_mass)
         self.kernel_block = None if kernel_block is None else int(kernel_block)
+        self.on_miss = on_miss
         self.sparse_plan = None  # set by the engine per request: (lists per layer, counts per layer, kernel block)
         self.report: dict = {}
 

@@ -75,7 +75,8 @@ def _ratio_free(strategy: str) -> float | None:
 
 
 def _offline_strategies(configs: Sequence[Config]) -> list[str]:
-    """Strategies of `configs` with offline per-document work (`needs_extras` or a `cache_variant`)."""
+    """Strategies of `configs` with offline per-document work (`needs_extras`, a `cache_variant`, or selective
+    indexes)."""
     out: list[str] = []
     for c in configs:
         if c.strategy in out or c.strategy in RATIO_FREE:
@@ -85,7 +86,8 @@ def _offline_strategies(configs: Sequence[Config]) -> list[str]:
             inst = make_strategy(c.strategy)
         except Exception:  # registry not importable or unknown name: the engine reports it on first use
             continue
-        if getattr(inst, "needs_extras", ()) or getattr(inst, "cache_variant", None):
+        if (getattr(inst, "needs_extras", ()) or getattr(inst, "cache_variant", None)
+                or getattr(inst, "sparse_index", False)):  # sift's indexes are built offline like caches
             out.append(c.strategy)
     return out
 

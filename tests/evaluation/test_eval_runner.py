@@ -159,8 +159,8 @@ def test_one_prefill_per_run_scores_kl_from_the_generation(tmp_path, examples):
 
 
 def test_offline_work_of_strategies_is_precomputed_outside_requests():
-    configs = build_configs(["reuse", "cacheblend", "qcfuse", "fusionrag", "infoflow"], [0.15])
-    assert _offline_strategies(configs) == ["qcfuse", "fusionrag"]
+    configs = build_configs(["reuse", "cacheblend", "qcfuse", "fusionrag", "infoflow", "sift"], [0.15])
+    assert _offline_strategies(configs) == ["qcfuse", "fusionrag", "sift"]  # sift: its indexes, like caches
 
 
 def test_prompt_preset_is_recorded_and_keys_the_resume(tmp_path, examples):

@@ -25,10 +25,10 @@ def test_full_marks_equal_full_prefill(tiny_engine):
     docs = DOCS + LONG
     answer = engine.generate(QUESTION, docs, strategy="full", max_new_tokens=6).token_ids
     full = engine.next_token_logprobs(QUESTION, docs, answer, strategy="full")
-    every = make_strategy("sift", block=4, local_mass=1.0, cross_mass=1.0)
+    every = make_strategy("sift", block=4, local_mass=1.0, cross_mass=1.0, on_miss="compute")
     got = engine.next_token_logprobs(QUESTION, docs, answer, strategy=every)
     torch.testing.assert_close(got, full, atol=1e-4, rtol=0)
-    sparse = make_strategy("sift", block=4, local_mass=0.5, cross_mass=0.3, kernel_block=16)
+    sparse = make_strategy("sift", block=4, local_mass=0.5, cross_mass=0.3, kernel_block=16, on_miss="compute")
     low = engine.next_token_logprobs(QUESTION, docs, answer, strategy=sparse)
     assert sparse.report["density"] < 1.0
     assert (low - full).abs().max() > 1e-3  # attention really dropped: the comparison above can fail
@@ -36,11 +36,30 @@ def test_full_marks_equal_full_prefill(tiny_engine):
 
 def test_generation_reports_indexes_and_reuses_them(tiny_engine):
     engine = tiny_engine("llama")
-    r1 = engine.generate(QUESTION, DOCS + LONG, strategy="sift", block=4, max_new_tokens=3)
-    r2 = engine.generate(QUESTION, DOCS + LONG, strategy="sift", block=4, max_new_tokens=3)
+    kw = dict(strategy="sift", block=4, local_mass=0.5, cross_mass=0.3, max_new_tokens=3)
+    r1 = engine.generate(QUESTION, DOCS + LONG, on_miss="compute", **kw)
+    r2 = engine.generate(QUESTION, DOCS + LONG, on_miss="compute", **kw)
     assert r1.extra["sift"]["index_computed"] == 5 and r2.extra["sift"]["index_hits"] == 5
-    assert r1.token_ids == r2.token_ids and 0 < r2.extra["sift"]["density"] <= 1.0
+    assert r1.token_ids == r2.token_ids and 0 < r2.extra["sift"]["density"] < 1.0
     assert r1.recomputed_tokens == r1.doc_tokens  # every token computed
+
+
+def test_new_documents_attend_densely_and_get_their_index_when_the_engine_is_idle(tiny_engine):
+    engine = tiny_engine("llama")
+    docs = DOCS + LONG
+    kw = dict(strategy="sift", block=4, local_mass=0.5, cross_mass=0.3, max_new_tokens=4)
+    full = engine.generate(QUESTION, docs, strategy="full", max_new_tokens=4)
+    first = engine.generate(QUESTION, docs, **kw)  # on_miss="dense", the default: no index on the request's path
+    rep = first.extra["sift"]
+    assert (rep["index_deferred"], rep["index_computed"], rep["index_hits"]) == (5, 0, 0)
+    assert rep["density"] == 1.0 and first.token_ids == full.token_ids  # dense: a full prefill's answer
+    assert engine.wait_for_indexes(timeout=60) and engine.deferred_indexes == 0
+    assert len(engine.sift_indexes) == 5  # built between requests, by the scheduler
+    again = engine.generate(QUESTION, docs, **kw)
+    assert again.extra["sift"]["index_hits"] == 5 and again.extra["sift"]["index_deferred"] == 0
+    assert again.extra["sift"]["density"] < 1.0
+    with pytest.raises(ValueError, match="on_miss"):
+        make_strategy("sift", on_miss="later")
 
 
 def test_precompute_stores_indexes_not_caches(tiny_engine):
@@ -168,7 +187,7 @@ def test_vectorised_plan_matches_the_rules_on_random_indexes():
 def test_carried_indexes_are_used_and_bad_ones_refused(tiny_engine):
     engine = tiny_engine("llama")
     docs = DOCS + LONG
-    sparse = dict(strategy="sift", block=4, local_mass=0.5, cross_mass=0.3)
+    sparse = dict(strategy="sift", block=4, local_mass=0.5, cross_mass=0.3, on_miss="compute")
     blobs = engine.sift_index_bytes(docs, "sift:block=4:local_mass=0.5:cross_mass=0.3")
     assert all(isinstance(b, bytes) and 100 < len(b) < 4096 for b in blobs)
     carried = [Document(d[0], d[1], sift_index=b) for d, b in zip(docs, blobs)]
