@@ -121,7 +121,7 @@ class FusionEngine:
         # requests run on the scheduler's thread, decoded together (engine/scheduler.py); other model work takes
         # the engine between two of its iterations (`self.scheduler.exclusive()`)
         self.sift_indexes = IndexStore()  # sift's selective indexes, apart from the K/V caches (engine/sift.py)
-        self._index_backlog: collections.OrderedDict = collections.OrderedDict()  # key -> (ids, strategy) to build
+        self._index_backlog: collections.OrderedDict = collections.OrderedDict()  # key -> (ids, index params)
         self.decoding = Decoding(self.runner, self._make_arena(), self.config.cuda_graphs)
         self.scheduler = Scheduler(self, self.decoding, self.config.max_batch_size, self.config.max_queued_requests,
                                    self.config.prefill_tokens_per_step)
@@ -663,7 +663,7 @@ class FusionEngine:
                     hits += idx is not None
                     if idx is None:
                         deferred += 1
-                        self._index_backlog.setdefault(key, (ids_l, strat))
+                        self._index_backlog.setdefault(key, (ids_l, strat.block, strat.local_mass, strat.cross_mass))
                         while len(self._index_backlog) > MAX_INDEX_BACKLOG:  # never idle: the oldest wait longest
                             self._index_backlog.popitem(last=False)
                 else:
@@ -681,10 +681,10 @@ class FusionEngine:
         scheduler calls it between requests (never while one is waiting or running)."""
         if not self._index_backlog:
             return False
-        key, (ids, strat) = next(iter(self._index_backlog.items()))
+        key, (ids, block, local_mass, cross_mass) = next(iter(self._index_backlog.items()))
         try:  # left in the backlog while it is built, so `wait_for_indexes` waits for the store to hold it
             if key not in self.sift_indexes:
-                self.sift_indexes.put(key, compute_index(self, ids, strat.block, strat.local_mass, strat.cross_mass))
+                self.sift_indexes.put(key, compute_index(self, ids, block, local_mass, cross_mass))
         finally:
             self._index_backlog.pop(key, None)
         return True
