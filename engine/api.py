@@ -29,7 +29,7 @@ from .decode import Arena, Decoding, decode_rows
 from .runner import Runner, Segment
 from .scheduler import Request, Scheduler
 from .sampler import Sampler
-from .sift import IndexStore, SiftIndex, compute_index, sparse_plan
+from .sift import IndexStore, compute_index, sparse_plan
 from .tracing import set_attributes, span
 from .store import DocKV, Namespace, fingerprint_tensors
 from .store.keys import content_key
@@ -620,12 +620,15 @@ class FusionEngine:
         kvs = [_rows(by_start[layout.docs[i].start], rows[i]) for i in kept]
         return new, _segments(new, every[0].kv, kvs, False, self.prompts.question_span(new)), time.perf_counter() - t0
 
-    def _sift_index(self, ids: list[int], strat) -> tuple[Any, bool]:
-        """A document's selective index (engine/sift.py) from the index store, computed on a miss; (index, hit)."""
-        key = self._sift_key(ids, strat)
+    def _sift_index(self, ids: list[int], strat, key: str | None = None, compute: bool = True) -> tuple[Any, bool]:
+        """A document's selective index (engine/sift.py) from the index store, computed on a miss (None instead when
+        not `compute`); (index, hit)."""
+        key = key or self._sift_key(ids, strat)
         idx = self.sift_indexes.get(key)
         if idx is not None:
             return idx, True
+        if not compute:
+            return None, False
         idx = compute_index(self, ids, strat.block, strat.local_mass, strat.cross_mass)
         self.sift_indexes.put(key, idx)
         return idx, False
@@ -645,31 +648,27 @@ class FusionEngine:
         that is not (damaged, truncated, another model's or another text's) is counted as rejected and that
         document attends densely: never a failure, never a stale index."""
         block = strat.kernel_block or (64 if self.device.type == "cuda" else 16)
-        carried = [d.sift_index for d in docs] if docs is not None and len(docs) == len(layout.docs) else None
+        carried = ([d.sift_index for d in docs] if docs is not None and len(docs) == len(layout.docs)
+                   else [None] * len(layout.docs))
         n_layers = self.decoder.spec.n_layers
         plan, hits, computed, used, rejected, deferred = [], 0, 0, 0, 0, 0
         with _on_device(self.device):
-            for i, (sp, ids) in enumerate(zip(layout.docs, layout.doc_ids)):
-                data = carried[i] if carried is not None else None
-                if data is not None:
-                    ids_l = ids.tolist()
-                    idx = SiftIndex.from_bytes(data, self._sift_key(ids_l, strat), n_layers, len(ids_l))
+            for sp, ids, data in zip(layout.docs, layout.doc_ids, carried):
+                ids_l = ids.tolist()
+                key = self._sift_key(ids_l, strat)
+                if data is not None:  # checked once per (key, bytes), then served from a memo
+                    idx = self.sift_indexes.carried(key, data, n_layers, len(ids_l))
                     used += idx is not None
                     rejected += idx is None
-                elif strat.on_miss == "dense":  # a miss attends densely now; its index is built when idle
-                    ids_l = ids.tolist()
-                    key = self._sift_key(ids_l, strat)
-                    idx = self.sift_indexes.get(key)
-                    hits += idx is not None
-                    if idx is None:
+                else:
+                    idx, hit = self._sift_index(ids_l, strat, key, compute=strat.on_miss == "compute")
+                    hits += hit
+                    computed += idx is not None and not hit
+                    if idx is None:  # on_miss="dense": attends densely now, its index is built when idle
                         deferred += 1
                         self._index_backlog.setdefault(key, (ids_l, strat.block, strat.local_mass, strat.cross_mass))
                         while len(self._index_backlog) > MAX_INDEX_BACKLOG:  # never idle: the oldest wait longest
                             self._index_backlog.popitem(last=False)
-                else:
-                    idx, hit = self._sift_index(ids.tolist(), strat)
-                    hits += hit
-                    computed += not hit
                 plan.append((sp.start, sp.end, idx))
             lists, counts, density = sparse_plan(layout.n, n_layers, plan, block, self.device)
         return (lists, counts, block), {"index_hits": hits, "index_computed": computed, "index_carried": used,
@@ -717,7 +716,8 @@ class FusionEngine:
         with self.scheduler.exclusive(), _on_device(self.device):
             doc_ids = self._encode_documents(docs)
             self._check_documents_fit(docs, doc_ids)
-            return [self._sift_index(ids, strat)[0].to_bytes(self._sift_key(ids, strat)) for ids in doc_ids]
+            keys = [self._sift_key(ids, strat) for ids in doc_ids]
+            return [self._sift_index(ids, strat, key)[0].to_bytes(key) for ids, key in zip(doc_ids, keys)]
 
     def _token_texts(self, ids: list[int]) -> list[str]:
         """Each token's own text (memoised per token id)."""

@@ -238,16 +238,18 @@ def sparse_plan(n: int, n_layers: int, docs: list[tuple[int, int, SiftIndex | No
     slot = torch.where(m, m.cumsum(2, dtype=torch.int32) - 1, width).long()
     cols = torch.arange(nb, dtype=torch.int32, device=device).expand_as(slot)
     lists = torch.zeros(n_layers, nb, width + 1, dtype=torch.int32, device=device).scatter_(2, slot, cols)
-    lists = lists[:, :, :width]
+    lists = lists[:, :, :width].contiguous()
     density = kept / float(n_layers * nb * (nb + 1) // 2)
-    return [x.contiguous() for x in lists.unbind(0)], list(cnt.unbind(0)), density
+    return list(lists.unbind(0)), list(cnt.unbind(0)), density
 
 
 class IndexStore:
     """Selective indexes in memory, least recently used dropped past `budget_bytes` (serialised size)."""
 
-    def __init__(self, budget_bytes: int = 64 << 20) -> None:
+    def __init__(self, budget_bytes: int = 64 << 20, max_carried: int = 1024) -> None:
         self.budget = int(budget_bytes)
+        self.max_carried = int(max_carried)
+        self._carried: OrderedDict[tuple, SiftIndex | None] = OrderedDict()  # carried bytes' verdicts (see carried)
         self._items: OrderedDict[str, tuple[SiftIndex, int]] = OrderedDict()
         self.bytes = 0
         self.hits = self.misses = 0
@@ -271,6 +273,20 @@ class IndexStore:
         while self.bytes > self.budget and len(self._items) > 1:
             _, (_, s) = self._items.popitem(last=False)
             self.bytes -= s
+
+    def carried(self, key: str, data: bytes, n_layers: int, n_tokens: int) -> SiftIndex | None:
+        """The index a document carries (`SiftIndex.from_bytes` for this request's key), or None when it is refused.
+        The verdict is memoised per (key, bytes), so a document that keeps coming back with the same bytes is parsed,
+        checked and moved to the device once, not per request."""
+        memo_key = (key, data, n_layers, n_tokens)
+        if memo_key in self._carried:
+            self._carried.move_to_end(memo_key)
+            return self._carried[memo_key]
+        idx = SiftIndex.from_bytes(data, key, n_layers, n_tokens)
+        self._carried[memo_key] = idx
+        while len(self._carried) > self.max_carried:
+            self._carried.popitem(last=False)
+        return idx
 
     def __contains__(self, key: str) -> bool:
         return key in self._items

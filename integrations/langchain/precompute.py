@@ -14,7 +14,6 @@ With `strategy="sift"` no cache is computed: each document comes back as a copy 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -64,7 +63,6 @@ class KVFusePrecompute(BaseDocumentTransformer):
             raise TypeError(f"KVFusePrecompute.transform_documents got unexpected keyword arguments {sorted(kwargs)}")
         docs = lc_documents_to_documents(list(documents))
         if self._indexes:
-            docs = [dataclasses.replace(d, sift_index=None) for d in docs]
             self.last_report = self.engine.precompute(docs, strategy=self.strategy, show_progress=self.show_progress)
             blobs = self.engine.sift_index_bytes(docs, self.strategy)
             return [LCDocument(page_content=d.page_content, metadata={**d.metadata, SIFT_METADATA_KEY: encode_index(b)},

@@ -32,7 +32,6 @@ index's persist folder, so the index and its caches travel together:
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
 import time
 from collections.abc import Iterable, Sequence
@@ -137,7 +136,7 @@ class KVFusePrecompute(TransformComponent):
         try:
             for i in range(0, len(pairs), self.batch_size):
                 batch = pairs[i:i + self.batch_size]
-                batch_docs = [dataclasses.replace(d, sift_index=None) for _, d in batch]
+                batch_docs = [d for _, d in batch]
                 report = self._engine.precompute(batch_docs, strategy=self.strategy)
                 hits, misses, tokens = hits + report.hits, misses + report.misses, tokens + report.tokens
                 if indexes:  # computed just above: these are store hits, serialised into the nodes' metadata

@@ -184,7 +184,7 @@ def test_vectorised_plan_matches_the_rules_on_random_indexes():
     assert density < 1.0
 
 
-def test_carried_indexes_are_used_and_bad_ones_refused(tiny_engine):
+def test_carried_indexes_are_used_and_bad_ones_refused(tiny_engine, monkeypatch):
     engine = tiny_engine("llama")
     docs = DOCS + LONG
     sparse = dict(strategy="sift", block=4, local_mass=0.5, cross_mass=0.3, on_miss="compute")
@@ -196,6 +196,12 @@ def test_carried_indexes_are_used_and_bad_ones_refused(tiny_engine):
     r = fresh.generate(QUESTION, carried, max_new_tokens=3, **sparse)
     assert r.extra["sift"]["index_carried"] == 5 and r.extra["sift"]["index_computed"] == 0
     assert len(fresh.sift_indexes) == 0
+    parsed = []
+    real = SiftIndex.from_bytes
+    monkeypatch.setattr(SiftIndex, "from_bytes", lambda *a, **k: parsed.append(1) or real(*a, **k))
+    again = fresh.generate(QUESTION, carried, max_new_tokens=3, **sparse)
+    assert again.extra["sift"]["index_carried"] == 5 and parsed == []  # checked once, then served from the memo
+    monkeypatch.undo()
     stored = fresh.generate(QUESTION, docs, max_new_tokens=3, **sparse)  # computes the same indexes itself
     assert stored.extra["sift"]["index_computed"] == 5 and stored.token_ids == r.token_ids
 
