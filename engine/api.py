@@ -190,17 +190,24 @@ class FusionEngine:
                                 tokens=tokens, seconds=time.perf_counter() - t0)
 
     def _precompute_indexes(self, docs: list[Document], strat) -> PrecomputeReport:
-        with self.scheduler.exclusive(), span("kvfuse.precompute", documents=len(docs), strategy=strat.name):
-            t0 = time.perf_counter()
+        t0 = time.perf_counter()
+        with span("kvfuse.precompute", documents=len(docs), strategy=strat.name):
+            found = self._index_documents(docs, strat)
+        hits = sum(hit for *_, hit in found)
+        tokens = sum(len(ids) for ids, _, _, hit in found if not hit)
+        return PrecomputeReport(hits=hits, misses=len(docs) - hits, tokens=tokens, seconds=time.perf_counter() - t0)
+
+    def _index_documents(self, docs: list[Document], strat) -> list[tuple[list[int], str, Any, bool]]:
+        """Every document's (token ids, index key, index, hit), computing the missing indexes; checked to fit the
+        context window first (all of them, before any is computed)."""
+        with self.scheduler.exclusive(), _on_device(self.device):
             doc_ids = self._encode_documents(docs)
             self._check_documents_fit(docs, doc_ids)
-            hits = tokens = 0
-            with _on_device(self.device):
-                for ids in doc_ids:
-                    _, hit = self._sift_index(ids, strat)
-                    hits += hit
-                    tokens += 0 if hit else len(ids)
-        return PrecomputeReport(hits=hits, misses=len(docs) - hits, tokens=tokens, seconds=time.perf_counter() - t0)
+            out = []
+            for ids in doc_ids:
+                key = self._sift_key(ids, strat)
+                out.append((ids, key, *self._sift_index(ids, strat, key)))
+            return out
 
     def generate(self, question: str | None = None, docs: Iterable[Any] = (),
                  options: GenerationOptions | None = None, *, question_ids: Sequence[int] | None = None,
@@ -712,12 +719,7 @@ class FusionEngine:
         strat = make_strategy(strategy)
         if not getattr(strat, "sparse_index", False):
             raise ValueError(f"strategy {strat.name!r} keeps no selective index (use 'sift')")
-        docs = self._documents(docs, strat)
-        with self.scheduler.exclusive(), _on_device(self.device):
-            doc_ids = self._encode_documents(docs)
-            self._check_documents_fit(docs, doc_ids)
-            keys = [self._sift_key(ids, strat) for ids in doc_ids]
-            return [self._sift_index(ids, strat, key)[0].to_bytes(key) for ids, key in zip(doc_ids, keys)]
+        return [idx.to_bytes(key) for _, key, idx, _ in self._index_documents(self._documents(docs, strat), strat)]
 
     def _token_texts(self, ids: list[int]) -> list[str]:
         """Each token's own text (memoised per token id)."""
