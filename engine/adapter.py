@@ -1,15 +1,20 @@
-"""The fusion adapter: low-rank deltas (LoRA) on the model's projections, applied in the offline document pass only.
+"""The fusion adapter: low-rank deltas (LoRA) on the model's projections, in one of two places (its `stage`).
 
 A cached document is computed alone (after the shared prefix) and later read by requests whose other documents it
-never saw. The adapter changes how a document's K/V are computed offline so that, read in place of the full-prefill
-K/V, they move the answer's distribution as little as possible; it is trained by `kvfuse train-adapter`
-(kvfuse/training) by self-distillation against the base model's own full prefill. The online pass (the prefix,
-recomputed rows, the question and decoding) stays the unmodified base model, so:
+never saw. Both kinds are trained by `kvfuse train-adapter` (kvfuse/training) by self-distillation against the base
+model's own full prefill, so that the fused answer's distribution moves as little as possible:
 
-- online cost is unchanged (nothing is merged, nothing runs per request);
-- `full` is exactly the base model;
-- the adapter's hash is part of the cache namespace (`Namespace.adapter`): a cache computed with one adapter (or
-  none) is never served under another.
+- `offline`: acts while a document's cache is computed. The online pass (the prefix, recomputed rows, the question
+  and decoding) stays the unmodified base model: online cost is unchanged, but the adapter never sees the other
+  documents of a request.
+- `online`: acts on the rows a fused prefill computes (the recomputed document rows and the question), the only
+  rows that attend across documents; the caches are the base model's and decoding is the base model attending to
+  those rows. Served from merged weights (`merge_into`: W + scale * B @ A, one copy of the projections), so a fused
+  prefill costs the same as without it.
+
+Either way `full` (and every strategy that reads no cache) is exactly the base model, and the adapter's hash is
+part of the cache namespace (`Namespace.adapter`): a cache computed with one adapter (or none) is never served
+under another.
 
 File format: safetensors, tensors `layers.{i}.{target}.A` [rank, in] and `layers.{i}.{target}.B` [out, rank], with
 metadata `rank`, `alpha`, `targets` (comma separated) and `base` (the base model's namespace fingerprint it was
@@ -17,6 +22,7 @@ trained for; informational). Nothing is unpickled.
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -28,7 +34,10 @@ from torch import Tensor
 
 from .models.base import Decoder, rms_norm
 
-__all__ = ["TARGETS", "FusionAdapter", "AdaptedDecoder", "load_adapter", "packaged_adapter"]
+__all__ = ["TARGETS", "STAGES", "FusionAdapter", "AdaptedDecoder", "load_adapter", "merge_into", "packaged_adapter"]
+
+#: where an adapter acts: the offline document pass, or the rows a fused prefill computes online
+STAGES = ("offline", "online")
 
 #: every projection an adapter may act on, with its (in, out) sizes as functions of the ArchSpec and FFN width
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
@@ -51,6 +60,7 @@ class FusionAdapter:
         targets: the projections adapted (a subset of TARGETS).
         A / B: target -> [n_layers, rank, in] / [n_layers, out, rank].
         meta: free-form string metadata kept in the file (training record, base fingerprint).
+        stage: "offline" (documents' caches) or "online" (the rows a fused prefill computes); see the module.
     """
 
     rank: int
@@ -59,13 +69,19 @@ class FusionAdapter:
     A: dict[str, Tensor]
     B: dict[str, Tensor]
     meta: dict[str, str] = field(default_factory=dict)
+    stage: str = "offline"
+
+    def __post_init__(self) -> None:
+        if self.stage not in STAGES:
+            raise ValueError(f"adapter stage must be one of {STAGES}, got {self.stage!r}")
 
     @property
     def scale(self) -> float:
         return self.alpha / self.rank
 
     @classmethod
-    def init(cls, dec: Decoder, rank: int = 8, alpha: float = 16.0, targets=TARGETS, seed: int = 0) -> FusionAdapter:
+    def init(cls, dec: Decoder, rank: int = 8, alpha: float = 16.0, targets=TARGETS, seed: int = 0,
+             stage: str = "offline") -> FusionAdapter:
         """A fresh adapter for `dec` (fp32): A ~ Kaiming-uniform, B = 0, so it starts as the identity."""
         bad = [t for t in targets if t not in TARGETS]
         if bad or not targets:
@@ -80,7 +96,7 @@ class FusionAdapter:
             bound = (3.0 / i) ** 0.5  # kaiming-uniform for a linear layer of fan-in i (gain 1)
             A[t] = ((torch.rand(n, rank, i, generator=g) * 2 - 1) * bound).to(dec.device)
             B[t] = torch.zeros(n, o, rank, device=dec.device)
-        return cls(rank, float(alpha), tuple(targets), A, B)
+        return cls(rank, float(alpha), tuple(targets), A, B, stage=stage)
 
     def parameters(self) -> list[Tensor]:
         return [*self.A.values(), *self.B.values()]
@@ -88,7 +104,8 @@ class FusionAdapter:
     def to(self, device=None, dtype=None) -> FusionAdapter:
         conv = {t: x.to(device=device, dtype=dtype) for t, x in self.A.items()}
         return FusionAdapter(self.rank, self.alpha, self.targets, conv,
-                             {t: x.to(device=device, dtype=dtype) for t, x in self.B.items()}, dict(self.meta))
+                             {t: x.to(device=device, dtype=dtype) for t, x in self.B.items()}, dict(self.meta),
+                             self.stage)
 
     def check(self, dec: Decoder) -> None:
         """Raises ValueError when the adapter does not fit `dec`'s shapes."""
@@ -123,14 +140,16 @@ class FusionAdapter:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         meta = {**self.meta, "rank": str(self.rank), "alpha": repr(self.alpha), "targets": ",".join(self.targets),
-                "format": "kvfuse-fusion-adapter-1"}
+                "stage": self.stage, "format": "kvfuse-fusion-adapter-1"}
         save_file({k: v.to("cpu", dtype) for k, v in self.tensors().items()}, str(path), metadata=meta)
         return path
 
     @property
     def digest(self) -> str:
-        """sha256 over rank, alpha, targets and every tensor's bytes: the adapter's part of the cache namespace."""
-        h = hashlib.sha256(f"lora|{self.rank}|{self.alpha!r}|{','.join(self.targets)}".encode())
+        """sha256 over rank, alpha, targets, stage and every tensor's bytes: the adapter's part of the cache
+        namespace (an offline adapter's digest leaves the stage out, as files written before stages existed do)."""
+        stage = "" if self.stage == "offline" else f"|{self.stage}"
+        h = hashlib.sha256(f"lora|{self.rank}|{self.alpha!r}|{','.join(self.targets)}{stage}".encode())
         for k, v in sorted(self.tensors().items()):
             h.update(k.encode())
             h.update(v.to("cpu", torch.float32).numpy().tobytes())
@@ -158,13 +177,38 @@ def load_adapter(path: str | Path) -> FusionAdapter:
         targets = tuple(t for t in meta["targets"].split(",") if t)
         if not targets or any(t not in TARGETS for t in targets):
             raise ValueError(f"targets {targets}")
+        stage = meta.get("stage", "offline")
+        if stage not in STAGES:
+            raise ValueError(f"stage {stage!r}")
         n = 1 + max(int(k.split(".")[1]) for k in names)
         A = {t: torch.stack([raw[f"layers.{i}.{t}.A"] for i in range(n)]) for t in targets}
         B = {t: torch.stack([raw[f"layers.{i}.{t}.B"] for i in range(n)]) for t in targets}
     except (KeyError, ValueError, IndexError, RuntimeError) as exc:
         raise ValueError(f"{str(path)!r} is a malformed adapter file: {exc}") from None
-    keep = {k: v for k, v in meta.items() if k not in ("rank", "alpha", "targets", "format")}
-    return FusionAdapter(rank, alpha, targets, A, B, keep)
+    keep = {k: v for k, v in meta.items() if k not in ("rank", "alpha", "targets", "stage", "format")}
+    return FusionAdapter(rank, alpha, targets, A, B, keep, stage)
+
+
+#: target -> the _Layer attribute holding its weight
+_WEIGHT = {"q": "wq", "k": "wk", "v": "wv", "o": "wo", "gate": "w_gate", "up": "w_up", "down": "w_down"}
+
+
+def merge_into(dec: Decoder, adapter: FusionAdapter) -> Decoder:
+    """A copy of `dec` whose adapted projections hold W + scale * B @ A (summed in fp32, stored in the model
+    dtype); everything else (embeddings, norms, LM head, unadapted projections) is shared with `dec`. It computes
+    what AdaptedDecoder computes, at the base model's cost per row."""
+    adapter.check(dec)
+    merged = copy.copy(dec)
+    merged.layers = []
+    for i, layer in enumerate(dec.layers):
+        new = copy.copy(layer)
+        for t in adapter.targets:
+            w = getattr(layer, _WEIGHT[t])
+            a = adapter.A[t][i].to(w.device, torch.float32)
+            b = adapter.B[t][i].to(w.device, torch.float32)
+            setattr(new, _WEIGHT[t], (w.float() + adapter.scale * (b @ a)).to(w.dtype).contiguous())
+        merged.layers.append(new)
+    return merged
 
 
 def packaged_adapter(model_name: str) -> Path | None:
@@ -231,4 +275,4 @@ def describe(adapter: FusionAdapter | None) -> str:
         return "none"
     n = sum(x.numel() for x in adapter.parameters())
     return json.dumps({"rank": adapter.rank, "alpha": adapter.alpha, "targets": list(adapter.targets),
-                       "params": n, "digest": adapter.digest[:16]})
+                       "stage": adapter.stage, "params": n, "digest": adapter.digest[:16]})

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .adapter import AdaptedDecoder, FusionAdapter, load_adapter, packaged_adapter
+from .adapter import AdaptedDecoder, FusionAdapter, load_adapter, merge_into, packaged_adapter
 from .config import EngineConfig, resolve_device, resolve_dtype
 from .diagnose import ContextKV
 from .doccache import DocumentCache
@@ -70,8 +70,9 @@ class FusionEngine:
         model_name: a display name.
         model_fingerprint / tokenizer_fingerprint: cache namespace parts; computed from the weights and the
             vocabulary when not given.
-        adapter: a fusion adapter (engine/adapter.py: a FusionAdapter or the path of its safetensors file) applied
-            when documents are computed offline; None for none. Its hash is part of every cache key.
+        adapter: a fusion adapter (engine/adapter.py: a FusionAdapter or the path of its safetensors file); None
+            for none. An offline one computes the documents' caches; an online one computes the rows fused
+            prefills compute (`fused_runner`, merged weights). Its hash is part of every cache key.
 
     Document caches are served by `doc_cache` (a DocumentCache, engine/doccache.py); `store`, `registry`,
     `doc_profilers`, `cache_variants`, `corpus` and `context_window` are its attributes, reachable here too.
@@ -115,7 +116,13 @@ class FusionEngine:
         window = min(self.decoder.spec.max_positions, sliding or 1 << 62)
         self._shortest_tail = len(self.prompts.empty_tail)  # the question template around an empty question
         # the document caches: store, registry, offline extras and cache variants (see engine/doccache.py)
-        doc_runner = None if adapter is None else Runner(AdaptedDecoder(self.decoder, adapter), cuda_graphs=False)
+        offline = adapter is not None and adapter.stage == "offline"
+        doc_runner = Runner(AdaptedDecoder(self.decoder, adapter), cuda_graphs=False) if offline else None
+        # fused prefills (strategies that read caches) with an online adapter run the merged weights; `full`,
+        # sift and decoding stay the base model
+        self.fused_runner = self.runner if adapter is None or offline else Runner(
+            merge_into(self.decoder, adapter), cuda_graphs=self.config.cuda_graphs,
+            piecewise_graphs=self.config.piecewise_graphs, bucketed=self.config.bucketed_prefill)
         self.doc_cache = DocumentCache(self.runner, self.prompts, self.namespace, self.config,
                                        context_window=window, doc_runner=doc_runner)
         # requests run on the scheduler's thread, decoded together (engine/scheduler.py); other model work takes
@@ -391,7 +398,7 @@ class FusionEngine:
             slab = self.decoding.arena.alloc(layout.n + t)
             if slab is None:
                 raise RuntimeError("the KV arena can't hold this prompt and target now")
-            out = self.runner.prefill(layout.ids, segs, strat, recompute_ratio, extra_capacity=t)
+            out = self.prefill_runner(strat).prefill(layout.ids, segs, strat, recompute_ratio, extra_capacity=t)
             rows = [out.logits[None].clone()]
             seq = self.decoding.open(out.pending, slab, t)
             try:
@@ -503,6 +510,11 @@ class FusionEngine:
                          f"{layout.doc_tokens}, question {len(layout.tail)}, answer {reserve}), over the model's "
                          f"context window of {self.context_window} tokens")
 
+    def prefill_runner(self, strat: Strategy) -> Runner:
+        """The Runner a prefill of `strat` runs on: `fused_runner` for strategies that read caches (the online
+        adapter's merged weights, when one is set), the base model's otherwise."""
+        return self.fused_runner if strat.uses_cache else self.runner
+
     def _prepare(self, question: str | list[int], docs: list[Document], strat: Strategy,
                  doc_ids: list[list[int]] | None = None, reserve: int = 0):
         """Lays out the prompt, checks that it and `reserve` answer tokens fit the context window (before any
@@ -534,9 +546,10 @@ class FusionEngine:
         prefix_kv = self.doc_cache.prefix_kv() if strat.uses_cache and layout.prefix_cached else None
         # the first document right after the cached prefix it was computed after: its cache IS what full prefill
         # computes there (fusionrag's variants are computed with other context, documents computed with the fusion
-        # adapter differ by design: not exact)
+        # adapter offline differ by design: not exact)
         exact = (prefix_kv is not None and bool(layout.docs) and layout.docs[0].start == layout.prefix.end
-                 and not getattr(strat, "cache_variant", None) and self.adapter is None)
+                 and not getattr(strat, "cache_variant", None)
+                 and (self.adapter is None or self.adapter.stage == "online"))
         miss_s = time.perf_counter() - t0 if miss_tokens else 0.0
         return layout, _segments(layout, prefix_kv, kvs, exact, self.prompts.question_span(layout)), miss_s
 
@@ -601,7 +614,7 @@ class FusionEngine:
         if doc_ids is None:
             doc_ids = [d.tolist() for d in layout.doc_ids]
         every = [dataclasses.replace(sg, exact=False) for sg in segs]  # the first document is ordered like the others
-        order = reorder_documents(self.runner, layout, every, list(range(len(docs))), strat, ratio)
+        order = reorder_documents(self.prefill_runner(strat), layout, every, list(range(len(docs))), strat, ratio)
         layout, segs, _ = self._prepare(question, [docs[i] for i in order], strat, [doc_ids[i] for i in order],
                                         reserve)
         return layout, segs, time.perf_counter() - t0
@@ -613,7 +626,7 @@ class FusionEngine:
         at their new positions; a document with none kept leaves with its title). Returns (layout, segs, s)."""
         t0 = time.perf_counter()
         every = [dataclasses.replace(sg, exact=False) for sg in segs]
-        ctx, _ = select_only(self.runner, layout.ids, every, strat, ratio)
+        ctx, _ = select_only(self.prefill_runner(strat), layout.ids, every, strat, ratio)
         if ctx is None or len(ctx.doc_spans) != len(layout.docs):  # a document without a cache: nothing to cut
             return layout, segs, 0.0
         by_start = {sg.start: sg.kv for sg in every if sg.kv is not None}

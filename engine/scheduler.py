@@ -94,7 +94,7 @@ class Request:
             if slab is None:
                 raise _NoRoom
             try:
-                out = eng.runner.prefill(layout.ids, segs, strat, self.ratio, extra_capacity=reserve)
+                out = eng.prefill_runner(strat).prefill(layout.ids, segs, strat, self.ratio, extra_capacity=reserve)
                 token = self.sampler(out.logits)
                 self.t_first = time.perf_counter()
                 self.pins = set(store.memory.held)  # the documents the sequence reads in place stay put

@@ -437,6 +437,19 @@ def cmd_train_adapter(args) -> int:
     check_int(args.reported, "--reported", minimum=0)
     check_int(args.max_doc_tokens, "--max-doc-tokens", minimum=16)
     check_real(args.lr, "--lr", low=1e-8, high=1.0)
+    check_int(args.batch, "--batch", minimum=1)
+    check_real(args.max_seconds, "--max-seconds", low=0.0, high=1e7)
+    try:
+        ratios = tuple(float(r) for r in args.ratios.split(",") if r)
+    except ValueError:
+        raise CliError(f"--ratios must be comma-separated numbers, got {args.ratios!r}") from None
+    if not ratios or any(not 0.0 <= r <= 1.0 for r in ratios):
+        raise CliError(f"--ratios must be numbers in [0, 1], got {args.ratios!r}")
+    from kvfuse.engine.fusion import available
+
+    if args.strategy not in available() or args.strategy in ("full", "sift"):
+        raise CliError(f"--strategy must be a strategy that reads caches ({', '.join(available())}), "
+                       f"got {args.strategy!r}")
     if not str(args.out).endswith(".safetensors"):
         raise CliError(f"--out must name a .safetensors file, got {args.out!r}")
     targets = tuple(t for t in args.targets.split(",") if t)
@@ -451,7 +464,8 @@ def cmd_train_adapter(args) -> int:
     if not train:
         raise CliError("no training examples left after the reported split")
     cfg = TrainConfig(rank=args.rank, targets=targets, steps=args.steps, lr=args.lr, seed=args.seed,
-                      max_doc_tokens=args.max_doc_tokens)
+                      max_doc_tokens=args.max_doc_tokens, stage=args.stage, batch=args.batch,
+                      max_seconds=args.max_seconds, ratios=ratios, strategy=args.strategy)
     _check_model_args(args)
     engine = load_engine(args.model, device=args.device, dtype=args.dtype, prompt=args.prompt, adapter=None)
     print(f"kvfuse: training a fusion adapter for {engine.model_name} on {len(train)} examples "
@@ -559,6 +573,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--targets", default="q,k,v,o,gate,up,down", help="projections adapted (comma separated)")
     p.add_argument("--max-doc-tokens", type=int, default=900, help="document tokens per training prompt at most")
+    p.add_argument("--stage", default="offline", choices=["offline", "online"],
+                   help="where the adapter acts: 'offline' (documents' caches; default) or 'online' (the rows a "
+                        "fused prefill computes: recomputed rows and the question)")
+    p.add_argument("--batch", type=int, default=1, help="prompts per optimiser step (default 1)")
+    p.add_argument("--ratios", default="0,0.15", help="recompute ratios the student samples (default 0,0.15)")
+    p.add_argument("--strategy", default="infoflow", help="the strategy whose selection the student recomputes")
+    p.add_argument("--max-seconds", type=float, default=0.0,
+                   help="stop (and save) after this much training time; 0 (default) for no limit")
     p.add_argument("--prompt", default="qa", help="prompt preset (as `kvfuse eval --prompt`; default qa)")
     p.add_argument("--out", required=True, help="the adapter file to write (.safetensors; a .json record beside it)")
     _add_model_args(p)

@@ -162,7 +162,8 @@ def _resolve(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-ADAPTER_TAG = "+adapter"
+ADAPTER_TAG = "+adapter"  # runs with an offline fusion adapter (documents computed with it)
+ONLINE_TAG = "+online"    # runs with an online one (the fused prefill's computed rows run it)
 
 
 def _adapter_for(value: str, model: str) -> Any:
@@ -180,6 +181,15 @@ def _adapter_for(value: str, model: str) -> Any:
 
     load_adapter(value)  # a clear error now for a missing or malformed file
     return value
+
+
+def _adapter_tag(path: Any) -> str:
+    """The label suffix of runs with the adapter file at `path` (none: "")."""
+    if path is None:
+        return ""
+    from kvfuse.engine.adapter import load_adapter
+
+    return ONLINE_TAG if load_adapter(path).stage == "online" else ADAPTER_TAG
 
 
 def run_eval(args: argparse.Namespace, engine_factory: Any = None) -> int:
@@ -222,7 +232,7 @@ def run_eval(args: argparse.Namespace, engine_factory: Any = None) -> int:
     def make_runner() -> EvalRunner:
         return EvalRunner(engine_factory, out, model=opt["model"], max_new_tokens=opt["max_new_tokens"],
                           seed=opt["seed"], progress=opt["progress"], extra=extra, prompt=opt["prompt"],
-                          adapter_tag="" if adapter is None else ADAPTER_TAG)
+                          adapter_tag=_adapter_tag(adapter))
 
     runner = make_runner()
     if runner.store.bad_lines:
@@ -234,8 +244,8 @@ def run_eval(args: argparse.Namespace, engine_factory: Any = None) -> int:
 
     # example x config order: the report lists strategies in the order they were asked for (full first)
     # both the runs with the fusion adapter and those without, when on record (the report shows them side by side)
-    labels = [(c, c.strategy) for c in configs] + [(c, c.strategy + ADAPTER_TAG) for c in configs
-                                                    if c.strategy != "full"]
+    labels = [(c, c.strategy) for c in configs] + [(c, c.strategy + tag) for c in configs
+                                                    for tag in (ADAPTER_TAG, ONLINE_TAG) if c.strategy != "full"]
     keys = [record_key(e.id, label, c.ratio, opt["model"], opt["max_new_tokens"], opt["prompt"], opt["dtype"])
             for e in examples
             for c, label in labels]
@@ -243,7 +253,7 @@ def run_eval(args: argparse.Namespace, engine_factory: Any = None) -> int:
     if opt["report_only"]:
         if not records:
             raise ValueError(f"--report-only: none of the selected runs is on record in {out / 'records.jsonl'}")
-        tagged = sum(r["strategy"].endswith(ADAPTER_TAG) for r in records)
+        tagged = sum(r["strategy"].endswith((ADAPTER_TAG, ONLINE_TAG)) for r in records)
         print(f"report only: {len(records) - tagged} of {len(examples) * len(configs)} selected runs on record"
               + (f", and {tagged} with the fusion adapter" if tagged else ""), file=sys.stderr)
     rows, md = write_report(records, out, seed=opt["seed"], pareto_x=opt["pareto_x"],

@@ -1,9 +1,11 @@
 """Self-distillation of a fusion adapter (engine/adapter.py).
 
 Teacher: the base model's full prefill of a multi-document prompt, and its own greedy answer (teacher-forced).
-Student: the fused path of the same prompt: every document computed alone after the prefix *with the adapter*
-(the offline pass), then the base model over the prefix's cache, the documents' caches re-positioned exactly, the
-rows the engine's strategy recomputes at a sampled ratio, the question and the answer. The loss is KL(teacher ||
+Student: the fused path of the same prompt: every document computed alone after the prefix, then the prefix's
+cache and the documents' caches re-positioned exactly, the rows the engine's strategy recomputes at a sampled
+ratio, the question and the answer. Where the adapter acts is its stage: `offline`, the documents' passes (the
+rest is the base model); `online`, the recomputed rows and the question (the documents are the base model's
+caches, the answer rows the base model attending to them, as decoding serves them). The loss is KL(teacher ||
 student) per answer token; only the adapter's weights learn.
 
 The forward here is plain differentiable torch over the engine's decoder seam (`project` / `finish`) and the
@@ -84,13 +86,15 @@ def teacher_logprobs(engine, layout, answer: Sequence[int]) -> Tensor:
 
 def student_logprobs(engine, layout, answer: Sequence[int], adapter: FusionAdapter | None,
                      recompute: Tensor | None = None, doc_kv: list | None = None) -> Tensor:
-    """log p_fused(. | prompt, answer[:t]): documents computed alone after the prefix (with `adapter`), the base
-    model over the rest; `recompute`: sorted document positions recomputed online. Differentiable in the adapter.
+    """log p_fused(. | prompt, answer[:t]): documents computed alone after the prefix, then the prompt's computed
+    rows and the answer rows; `adapter` acts where its stage says (module docstring). `recompute`: sorted document
+    positions recomputed online. Differentiable in the adapter.
 
     Args:
         doc_kv: the documents' (K list, V list) from `document_kv` (computed here when None).
     """
     dec = engine.decoder
+    online = adapter is not None and adapter.stage == "online"
     dev = dec.device
     a_ids, a_pos = _answer_rows(layout, answer)
     n_all = layout.n + int(a_ids.numel())
@@ -117,17 +121,26 @@ def student_logprobs(engine, layout, answer: Sequence[int], adapter: FusionAdapt
     if recompute is not None and recompute.numel():
         computed[recompute.cpu()] = True
     rows = torch.arange(layout.n)[computed]
+    ctx = ([torch.cat(x) for x in ctx_k], [torch.cat(x) for x in ctx_v], torch.cat(ctx_pos).to(dev))
+    if online:  # the prompt's computed rows with the adapter, then the answer rows by the base model over them
+        hp, ks, vs = forward_rows(AdaptedDecoder(dec, adapter), layout.ids[rows].to(dev), rows.to(dev), cos, sin, ctx)
+        ctx = ([torch.cat([c, k]) for c, k in zip(ctx[0], ks)], [torch.cat([c, v]) for c, v in zip(ctx[1], vs)],
+               torch.cat([ctx[2], rows.to(dev)]))
+        ha, _, _ = forward_rows(dec, a_ids.to(dev), a_pos.to(dev), cos, sin, ctx)
+        h = torch.cat([hp[-1:], ha])  # the last prompt row predicts the first answer token
+        return torch.log_softmax(dec.logits(h).float(), dim=-1)
     ids = torch.cat([layout.ids[rows], a_ids]).to(dev)
     pos = torch.cat([rows, a_pos]).to(dev)
-    ctx = ([torch.cat(x) for x in ctx_k], [torch.cat(x) for x in ctx_v], torch.cat(ctx_pos).to(dev))
     h, _, _ = forward_rows(dec, ids, pos, cos, sin, ctx)
     first = int((rows < layout.n - 1).sum())  # the row of the last prompt token: it predicts the first answer token
     return torch.log_softmax(dec.logits(h[first:]).float(), dim=-1)
 
 
 def document_kv(engine, layout, adapter: FusionAdapter | None) -> list[tuple[list[Tensor], list[Tensor]]]:
-    """Each document's per-layer pre-RoPE (K, V), computed alone after the prefix's cache (the offline pass)."""
-    dec = engine.decoder if adapter is None else AdaptedDecoder(engine.decoder, adapter)
+    """Each document's per-layer pre-RoPE (K, V), computed alone after the prefix's cache (the offline pass; an
+    online adapter does not act here)."""
+    offline = adapter is not None and adapter.stage == "offline"
+    dec = AdaptedDecoder(engine.decoder, adapter) if offline else engine.decoder
     prefix = engine.doc_cache.prefix_kv()
     p = layout.prefix.end - layout.prefix.start
     ctx = (list(prefix.k), list(prefix.v), torch.arange(p, device=engine.device))
@@ -141,21 +154,27 @@ def document_kv(engine, layout, adapter: FusionAdapter | None) -> list[tuple[lis
     return out
 
 
-def strategy_selection(engine, layout, doc_kv, strategy: str, ratio: float) -> Tensor | None:
+def strategy_selection(engine, layout, doc_kv, strategy: str, ratio: float, runner=None,
+                       exact_first: bool = False) -> Tensor | None:
     """The document positions `strategy` recomputes at `ratio` over these (detached) caches, as the engine picks
-    them (its probe and initial choice)."""
+    them (its probe and initial choice). `runner`: the one the engine's fused prefill runs on (the base model's
+    by default; with an online adapter, a Runner over it). `exact_first`: the first document's cache, right after
+    the prefix, is the base model's and so exact (never selected), as the engine serves it without an offline
+    adapter."""
     if ratio <= 0:
         return None
     from ..engine.fusion import make_strategy
 
     segs = [Segment(layout.prefix.start, layout.prefix.end, engine.doc_cache.prefix_kv(), selectable=False)]
-    for sp, (ks, vs) in zip(layout.docs, doc_kv):
+    for j, (sp, (ks, vs)) in enumerate(zip(layout.docs, doc_kv)):
         segs.append(Segment(sp.start, sp.end, DocKV(torch.stack([k.detach() for k in ks]),
-                                                      torch.stack([v.detach() for v in vs]))))
+                                                      torch.stack([v.detach() for v in vs])),
+                            exact=exact_first and j == 0 and sp.start == layout.prefix.end))
     segs += [Segment(sp.start, sp.end, None, selectable=False) for sp in layout.glue]
     segs.sort(key=lambda s: s.start)
     segs.append(Segment(layout.tail.start, layout.tail.end, None, selectable=False))
-    _, chosen = select_only(engine.runner, layout.ids, segs, make_strategy(strategy), ratio)
+    with torch.no_grad():
+        _, chosen = select_only(runner or engine.runner, layout.ids, segs, make_strategy(strategy), ratio)
     return None if chosen is None else torch.sort(chosen.cpu()).values
 
 
@@ -171,6 +190,9 @@ class TrainConfig:
         min_docs / max_docs / max_doc_tokens: the prompts built from an example (a random subset of its passages,
             in random order, trimmed to `max_doc_tokens` document tokens).
         answer_tokens: the teacher's greedy answer length at most.
+        stage: where the adapter acts, "offline" or "online" (engine/adapter.py).
+        batch: prompts per optimiser step (their losses averaged).
+        max_seconds: stop early (and save) after this much training time; 0 for no limit.
     """
 
     rank: int = 8
@@ -186,6 +208,9 @@ class TrainConfig:
     max_docs: int = 8
     max_doc_tokens: int = 900
     answer_tokens: int = 16
+    stage: str = "offline"
+    batch: int = 1
+    max_seconds: float = 0.0
 
 
 def training_prompts(examples, cfg: TrainConfig, tokenizer_len: Callable[[str], int]):
@@ -216,54 +241,84 @@ def train_adapter(engine, examples, cfg: TrainConfig, out: str | Path, *, log: C
     `out`.json (the training record: config, data, loss curve, time)."""
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed + 1)
-    adapter = FusionAdapter.init(engine.decoder, cfg.rank, cfg.alpha, cfg.targets, seed=cfg.seed)
+    adapter = FusionAdapter.init(engine.decoder, cfg.rank, cfg.alpha, cfg.targets, seed=cfg.seed, stage=cfg.stage)
     params = adapter.parameters()
     for p in params:
         p.requires_grad_(True)
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+    # selection runs eagerly, unpadded (the probe is stopped after the strategy's choice); an online adapter also
+    # moves what the probe of a query-aware strategy sees, so it selects with the adapter, as the engine will
+    from ..engine.runner import Runner
 
-    def lr_at(step: int) -> float:
+    selector = Runner(AdaptedDecoder(engine.decoder, adapter) if cfg.stage == "online" else engine.decoder,
+                      cuda_graphs=False, bucketed=False)
+
+    def lr_at(step: int, elapsed: float) -> float:
+        """Linear warm-up, then cosine decay over the run: by steps, or by time when that limit comes first."""
         if step < cfg.warmup:
             return cfg.lr * (step + 1) / cfg.warmup
         t = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
-        return cfg.lr * 0.5 * (1 + math.cos(math.pi * t))
+        if cfg.max_seconds:
+            t = max(t, elapsed / cfg.max_seconds)
+        return cfg.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
 
     tok_len = (lambda text: len(engine.tokenizer(text, add_special_tokens=False)["input_ids"]))
     prompts = training_prompts(examples, cfg, tok_len)
-    curve, t0 = [], time.perf_counter()
-    for step in range(cfg.steps):
+
+    def one_prompt():
+        """(KL of one drawn prompt, its record) or None when the teacher answers nothing."""
         ex, docs = next(prompts)
         res = engine.generate(ex.question, docs, strategy="full", max_new_tokens=cfg.answer_tokens,
                               temperature=0.0)
         answer = list(res.token_ids)
         if len(answer) < 1:
-            continue
+            return None
         layout = engine.layout(ex.question, docs)
         teacher = teacher_logprobs(engine, layout, answer + [0])
         ratio = rng.choice(cfg.ratios)
-        doc_kv = document_kv(engine, layout, adapter)
-        recompute = strategy_selection(engine, layout, doc_kv, cfg.strategy, ratio)
+        if cfg.stage == "online":
+            with torch.no_grad():
+                doc_kv = document_kv(engine, layout, None)
+        else:
+            doc_kv = document_kv(engine, layout, adapter)
+        recompute = strategy_selection(engine, layout, doc_kv, cfg.strategy, ratio, selector,
+                                       exact_first=cfg.stage == "online")
         student = student_logprobs(engine, layout, answer + [0], adapter, recompute, doc_kv)
         kl = (teacher.exp() * (teacher - student)).sum(-1).mean()
+        return kl, {"ratio": ratio, "docs": len(docs), "prompt_tokens": layout.n, "answer_tokens": len(answer),
+                    "example": ex.id}
+
+    curve, t0 = [], time.perf_counter()
+    for step in range(cfg.steps):
         for g in opt.param_groups:
-            g["lr"] = lr_at(step)
+            g["lr"] = lr_at(step, time.perf_counter() - t0)
         opt.zero_grad(set_to_none=True)
-        kl.backward()
+        kls, info = [], []
+        while len(kls) < cfg.batch:
+            got = one_prompt()
+            if got is None:
+                continue
+            (got[0] / cfg.batch).backward()
+            kls.append(got[0].item())
+            info.append(got[1])
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
-        curve.append({"step": step, "kl": round(kl.item(), 5), "ratio": ratio, "docs": len(docs),
-                      "prompt_tokens": layout.n, "answer_tokens": len(answer), "example": ex.id,
+        curve.append({"step": step, "kl": round(sum(kls) / len(kls), 5), "lr": opt.param_groups[0]["lr"],
+                      "prompts": info,
                       "seconds": round(time.perf_counter() - t0, 1)})
         if step % 10 == 0 or step == cfg.steps - 1:
             recent = [c["kl"] for c in curve[-10:]]
             log(f"step {step + 1}/{cfg.steps}  kl {sum(recent) / len(recent):.4f} (mean of last {len(recent)})  "
                 f"{time.perf_counter() - t0:.0f} s")
+        if cfg.max_seconds and time.perf_counter() - t0 > cfg.max_seconds:
+            log(f"stopping after step {step + 1}: the {cfg.max_seconds:.0f} s limit")
+            break
     record = {"config": {**asdict(cfg), "targets": list(cfg.targets), "ratios": list(cfg.ratios)},
               "model": engine.model_name, "base_namespace": engine.namespace.model,
               "train_examples": len(examples), "seconds": round(time.perf_counter() - t0, 1), "curve": curve}
     for p in params:
         p.requires_grad_(False)
-    adapter.meta = {"base": engine.namespace.model, "model": engine.model_name, "steps": str(cfg.steps),
+    adapter.meta = {"base": engine.namespace.model, "model": engine.model_name, "steps": str(len(curve)),
                     "seed": str(cfg.seed)}
     out = Path(out)
     adapter.save(out)

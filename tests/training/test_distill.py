@@ -127,3 +127,93 @@ def test_the_packaged_adapter_is_intact_and_opt_in(tiny_model):
     with pytest.raises(ValueError, match="no fusion adapter is shipped"):
         FusionEngine.from_pretrained(str(tiny_model("llama")), device="cpu", dtype="fp32", disk_cache=False,
                                      adapter="packaged")
+
+
+def _online(engine, seed=5, scale=0.05):
+    ad = _noisy_adapter(engine, seed=seed, scale=scale)
+    ad.stage = "online"
+    return ad
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_online_adapter_training_forward_is_what_the_engine_serves(tiny_engine, family):
+    """An online adapter: documents are the base model's caches, the rows a fused prefill computes run the merged
+    weights, the answer rows the base model. The student's forward equals the engine's (reuse, and recompute of
+    every document row), `full` stays the base model exactly, and the adapter really moves the fused rows."""
+    engine = tiny_engine(family)
+    layout = engine.layout(QUESTION, DOCS)
+    ad = _online(engine)
+    adapted = tiny_engine(family, adapter=ad)
+    assert adapted.fused_runner is not adapted.runner
+    full = engine.next_token_logprobs(QUESTION, DOCS, ANSWER, strategy="full")
+    assert torch.equal(adapted.next_token_logprobs(QUESTION, DOCS, ANSWER, strategy="full"), full)
+    base_reuse = engine.next_token_logprobs(QUESTION, DOCS, ANSWER, strategy="reuse")
+    served = adapted.next_token_logprobs(QUESTION, DOCS, ANSWER, strategy="reuse")
+    with torch.no_grad():
+        student = student_logprobs(engine, layout, ANSWER + [0], ad)[:len(ANSWER)]
+    torch.testing.assert_close(student, served, atol=2e-4, rtol=0)
+    assert (served - base_reuse).abs().max() > 1e-3  # the adapter changed the fused rows
+    # the documents' caches are the base model's: computed alone, with or without the online adapter, the same
+    for (ka, va), (kb, vb) in zip(document_kv(engine, layout, None), document_kv(engine, layout, ad)):
+        for x, y in zip(ka + va, kb + vb):
+            assert torch.equal(x, y)
+    # every document row recomputed but the first document's, whose cache is exact (computed right after the prefix
+    # by the base model, as full prefill computes it) and is never a candidate
+    assert layout.docs[0].start == layout.prefix.end
+    docs_pos = torch.cat([torch.arange(sp.start, sp.end) for sp in layout.docs[1:]])
+    with torch.no_grad():
+        every = student_logprobs(engine, layout, ANSWER + [0], ad, recompute=docs_pos)[:len(ANSWER)]
+    served_all = adapted.next_token_logprobs(QUESTION, DOCS, ANSWER, strategy="cacheblend", recompute_ratio=1.0)
+    torch.testing.assert_close(every, served_all, atol=2e-4, rtol=0)
+
+
+def test_online_adapter_is_served_on_the_generate_path(tiny_engine):
+    """The scheduler's prefill (generate) runs the merged weights for strategies that read caches: the first token
+    is the argmax of the online-adapted distribution, which differs from the base model's here."""
+    engine = tiny_engine("llama")
+    ad = _online(engine, seed=7, scale=0.5)
+    adapted = tiny_engine("llama", adapter=ad)
+    base = engine.next_token_logprobs(QUESTION, DOCS, [1], strategy="reuse")[0]
+    moved = adapted.next_token_logprobs(QUESTION, DOCS, [1], strategy="reuse")[0]
+    assert int(base.argmax()) != int(moved.argmax())  # the check below can tell the two apart
+    first = adapted.generate(QUESTION, DOCS, strategy="reuse", max_new_tokens=1, temperature=0.0).token_ids[0]
+    assert first == int(moved.argmax())
+    full_first = adapted.generate(QUESTION, DOCS, strategy="full", max_new_tokens=1, temperature=0.0).token_ids[0]
+    assert full_first == int(engine.next_token_logprobs(QUESTION, DOCS, [1], strategy="full")[0].argmax())
+
+
+def test_merged_weights_compute_what_the_adapter_computes(tiny_engine):
+    from kvfuse.engine.adapter import merge_into
+
+    engine = tiny_engine("qwen2")
+    ad = _noisy_adapter(engine, seed=9, scale=0.2)
+    merged, lora = merge_into(engine.decoder, ad), AdaptedDecoder(engine.decoder, ad)
+    h = torch.randn(5, engine.decoder.spec.hidden, generator=torch.Generator().manual_seed(0))
+    for i in (0, len(engine.decoder.layers) - 1):
+        for x, y in zip(merged.project(i, h), lora.project(i, h)):
+            torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-4)
+        attn = torch.randn(5, engine.decoder.spec.n_heads, engine.decoder.spec.head_dim)
+        torch.testing.assert_close(merged.finish(i, h, attn), lora.finish(i, h, attn), atol=1e-4, rtol=1e-4)
+        assert not torch.equal(merged.layers[i].wq, engine.decoder.layers[i].wq)
+    assert merged.layers[0].ln1 is engine.decoder.layers[0].ln1 and merged.embed is engine.decoder.embed
+
+
+def test_online_training_lowers_the_loss_and_the_stage_round_trips(tiny_engine, tmp_path):
+    from kvfuse.evaluation.data import Example
+
+    engine = tiny_engine("llama")
+    ex = Example("ex1", "tiny", QUESTION, tuple((i, "", t) for i, t in DOCS), ("Dunmore",))
+    cfg = TrainConfig(rank=4, steps=10, lr=3e-3, warmup=2, ratios=(0.0, 0.3), min_docs=3, max_docs=3,
+                      answer_tokens=4, max_doc_tokens=10_000, stage="online", batch=2)
+    rec = train_adapter(engine, [ex], cfg, tmp_path / "on.safetensors", log=lambda s: None)
+    kls = [c["kl"] for c in rec["curve"]]
+    assert len(kls) == 10 and all(len(c["prompts"]) == 2 for c in rec["curve"])
+    assert min(kls[-3:]) < kls[0] * 0.8, kls
+    ad = load_adapter(tmp_path / "on.safetensors")
+    assert ad.stage == "online"
+    off = _noisy_adapter(engine)
+    on = _noisy_adapter(engine)
+    on.stage = "online"
+    assert on.digest != off.digest  # the same tensors acting elsewhere are another cache namespace
+    with pytest.raises(ValueError, match="stage"):
+        FusionAdapter(2, 4.0, ("q",), {}, {}, stage="sometimes")
