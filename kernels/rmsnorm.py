@@ -43,6 +43,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, backend: str 
     Returns:
         [..., F] in the dtype of ``weight * x`` (transformers' promotion).
     """
+    if backend is None and torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return rms_norm_reference(x, weight, eps)  # the kernel has no backward: autograd (training) takes torch
     if choose_backend(x.device, backend) == "triton":
         return rms_norm_triton(x, weight, eps)
     return rms_norm_reference(x, weight, eps)

@@ -31,3 +31,25 @@ def test_rmsnorm_dispatch_uses_reference_on_cpu():
     torch.testing.assert_close(rms_norm(x, w, 1e-5), rms_norm_reference(x, w, 1e-5), rtol=0, atol=0)
     with pytest.raises(ValueError, match="features"):
         rms_norm_triton(x, torch.ones(7), 1e-5)
+
+
+def test_inputs_that_need_gradients_take_the_differentiable_path(monkeypatch):
+    """The Triton kernel has no backward: where autograd records (adapter training), the default dispatch takes the
+    torch path even on a device whose rule says triton, so gradients reach the weights; outside autograd the rule
+    stands."""
+    import kvfuse.kernels.rmsnorm as mod
+
+    calls = []
+    monkeypatch.setattr(mod, "choose_backend", lambda device, backend=None: "triton")
+    monkeypatch.setattr(mod, "rms_norm_triton", lambda x, w, eps: calls.append(1) or mod.rms_norm_reference(
+        x, w, eps).detach())
+    x = torch.randn(3, 8, requires_grad=True)
+    w = torch.ones(8)
+    y = mod.rms_norm(x, w, 1e-6)
+    assert y.requires_grad and not calls
+    y.sum().backward()
+    assert x.grad is not None
+    with torch.no_grad():
+        mod.rms_norm(x, w, 1e-6)
+    mod.rms_norm(x.detach(), w, 1e-6)
+    assert len(calls) == 2
