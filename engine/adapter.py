@@ -34,7 +34,8 @@ from torch import Tensor
 
 from .models.base import Decoder, rms_norm
 
-__all__ = ["TARGETS", "STAGES", "FusionAdapter", "AdaptedDecoder", "load_adapter", "merge_into", "packaged_adapter"]
+__all__ = ["TARGETS", "STAGES", "FusionAdapter", "AdaptedDecoder", "load_adapter", "merge_into", "packaged_adapter",
+           "resolve_adapter"]
 
 #: where an adapter acts: the offline document pass, or the rows a fused prefill computes online
 STAGES = ("offline", "online")
@@ -218,6 +219,26 @@ def packaged_adapter(model_name: str) -> Path | None:
         folder = Path(__file__).resolve().parent.parent / "data" / "adapters"  # installed: kvfuse/engine -> kvfuse/data
     path = folder / f"{model_name}.safetensors"
     return path if path.is_file() else None
+
+
+def resolve_adapter(value, model_name: str):
+    """What `from_pretrained(adapter=...)` and the CLIs' `--adapter` name, before any model work:
+
+    - "auto" (the default): the adapter shipped for `model_name` when there is one (the embedded model's), else None;
+    - None or "none": no adapter;
+    - "packaged": the shipped one (ValueError when `model_name` has none);
+    - a path or a FusionAdapter: itself (a path is read, and refused with a clear error, by `load_adapter`).
+    """
+    if value is None or (isinstance(value, str) and value.lower() == "none"):
+        return None
+    if isinstance(value, str) and value == "auto":
+        return packaged_adapter(model_name)
+    if isinstance(value, str) and value == "packaged":
+        path = packaged_adapter(model_name)
+        if path is None:
+            raise ValueError(f"no fusion adapter is shipped for {model_name!r} (train one: kvfuse train-adapter)")
+        return path
+    return value
 
 
 class AdaptedDecoder:

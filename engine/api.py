@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .adapter import AdaptedDecoder, FusionAdapter, load_adapter, merge_into, packaged_adapter
+from .adapter import AdaptedDecoder, FusionAdapter, load_adapter, merge_into, resolve_adapter
 from .config import EngineConfig, resolve_device, resolve_dtype
 from .diagnose import ContextKV
 from .doccache import DocumentCache
@@ -136,7 +136,7 @@ class FusionEngine:
     @classmethod
     def from_pretrained(cls, name_or_path: str = DEFAULT_MODEL, *, device: str | None = None,
                         dtype: str | torch.dtype | None = None, cache_dir: str | None = None,
-                        disk_cache: bool = True, adapter: FusionAdapter | str | Path | None = None,
+                        disk_cache: bool = True, adapter: FusionAdapter | str | Path | None = "auto",
                         **config: Any) -> FusionEngine:
         """Loads a model by registry name ("qwen2.5-coder-0.5b", "smollm2-135m", ...), GGUF path or HF folder.
 
@@ -145,8 +145,9 @@ class FusionEngine:
             dtype: "bf16" (default), "fp16", "fp32".
             cache_dir: where converted weights and (with `disk_cache`) document caches live.
             disk_cache: keep document caches on disk under cache_dir/kv (shared across processes).
-            adapter: None (documents computed by the base model alone; the default), "packaged" (the fusion adapter
-                shipped for this model: ValueError when there is none), a .safetensors path or a FusionAdapter.
+            adapter: "auto" (the default: the fusion adapter shipped for this model when there is one, as for the
+                embedded model; none otherwise), None (no adapter: the base model everywhere), "packaged" (the
+                shipped one: ValueError when there is none), a .safetensors path or a FusionAdapter.
             **config: EngineConfig fields (memory_budget_bytes, prompt, redis_url, ...).
         """
         from .weights import default_cache_dir, load_model
@@ -156,10 +157,7 @@ class FusionEngine:
         if disk_cache and "disk_cache_dir" not in config:
             config["disk_cache_dir"] = (cache_dir and __import__("pathlib").Path(cache_dir) or
                                         default_cache_dir()) / "kv"
-        if isinstance(adapter, str) and adapter == "packaged":
-            adapter = packaged_adapter(info.name)
-            if adapter is None:
-                raise ValueError(f"no fusion adapter is shipped for {info.name!r} (train one: kvfuse train-adapter)")
+        adapter = resolve_adapter(adapter, info.name)
         return cls(model, tok, EngineConfig(**config), model_name=info.name, model_fingerprint=info.fingerprint,
                    tokenizer_fingerprint=info.tokenizer_fingerprint, adapter=adapter)
 

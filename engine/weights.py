@@ -45,6 +45,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "DEFAULT_MODEL",
+    "registry_name",
     "SUPPORTED_FAMILIES",
     "MARKER_FILE",
     "ModelPart",
@@ -670,6 +671,20 @@ def _write_json_atomic(path: Path, obj: Any) -> None:
 
 
 # ----------------------------------------------------------------------------------------- resolution
+
+
+def registry_name(name_or_path: str | Path, cache_dir: str | Path | None = None) -> str | None:
+    """The registry name `name_or_path` loads as: itself for a registry name, the registry model whose sha256 a
+    `.gguf` file has (hashed once, then remembered under the cache dir), else None. Converts nothing."""
+    key = str(name_or_path)
+    if key in REGISTRY:
+        return REGISTRY[key].name
+    path = Path(key).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        root = (Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()).absolute()
+        sha = _cached_file_sha256(path, root, progress=False)
+        return next((s.name for s in REGISTRY.values() if s.sha256 == sha), None)
+    return None
 
 
 def resolve_model(name_or_path: str | Path, cache_dir: str | Path | None = None,

@@ -42,10 +42,9 @@ def _engine(args):
 
 
 def _adapter_arg(value):
-    """--adapter: "none" (None), "packaged" or a file path (checked when the engine loads it)."""
-    if value is None or value.lower() == "none":
-        return None
-    return value
+    """--adapter: "auto" (the default, also for commands without the option), "none", "packaged" or a file path
+    (resolved and checked by `from_pretrained`)."""
+    return "auto" if value is None else value
 
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20, "MIB": 1 << 20,
@@ -77,9 +76,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-dir", default=None, help="converted weights and document caches "
                                                      "(default: $KVFUSE_CACHE_DIR or ~/.cache/kvfuse)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
-    p.add_argument("--adapter", default="none",
-                   help="fusion adapter applied when documents are computed: 'none' (default), 'packaged' (the one "
-                        "shipped for the model), or a .safetensors file from `kvfuse train-adapter`")
+    p.add_argument("--adapter", default="auto",
+                   help="fusion adapter: 'auto' (default: the one shipped for the model, if any), 'none', 'packaged' "
+                        "(shipped for the model, or an error), or a .safetensors file from `kvfuse train-adapter`")
     p.add_argument("--redis-url", default=os.environ.get("KVFUSE_REDIS_URL") or None,
                    help="a Redis server shared by several engines as a cache tier behind memory and disk, e.g. "
                         "redis://host:6379/0 (default: $KVFUSE_REDIS_URL, else none; needs the redis extra)")

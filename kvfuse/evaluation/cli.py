@@ -77,7 +77,8 @@ def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="tiny end-to-end check (SmolLM2, 2 bundled examples, full,reuse,cacheblend,epic at 0.15, "
                         "8 new tokens); exits non-zero when any check fails")
     p.add_argument("--adapter", default=None,
-                   help="fusion adapter: 'none' (default), 'packaged' (shipped for the model), or a .safetensors file; "
+                   help="fusion adapter: 'auto' (default: the one shipped for the model, if any, as the engine "
+                        "serves it), 'none', 'packaged' (shipped for the model), or a .safetensors file; "
                         "runs with one are recorded as '<strategy>+adapter' beside those without, and the report "
                         "shows both when both are on record")
     p.add_argument("--device", help="engine device (default: the engine's choice)")
@@ -152,7 +153,7 @@ def _resolve(args: argparse.Namespace) -> dict[str, Any]:
         "max_new_tokens": mnt,
         "prompt": str(get("prompt")),
         "out": None if out is None else Path(out),
-        "adapter": getattr(args, "adapter", None) or "none",
+        "adapter": getattr(args, "adapter", None) or "auto",
         "device": getattr(args, "device", None),
         "dtype": getattr(args, "dtype", None),
         "pareto_x": getattr(args, "pareto_x", None) or "fraction",
@@ -168,19 +169,16 @@ ONLINE_TAG = "+online"    # runs with an online one (the fused prefill's compute
 
 def _adapter_for(value: str, model: str) -> Any:
     """--adapter resolved before any model work: None, or the adapter file's path (checked readable)."""
-    if value.lower() == "none":
-        return None
-    if value == "packaged":
-        from kvfuse.engine.adapter import packaged_adapter
+    from kvfuse.engine.adapter import load_adapter, resolve_adapter
+    from kvfuse.engine.weights import registry_name
 
-        path = packaged_adapter(model)
-        if path is None:
-            raise ValueError(f"--adapter packaged: no fusion adapter is shipped for {model!r}")
-        return path
-    from kvfuse.engine.adapter import load_adapter
-
-    load_adapter(value)  # a clear error now for a missing or malformed file
-    return value
+    try:  # by the name the model loads as (a registry model's GGUF gets that model's adapter, as it would served)
+        path = resolve_adapter(value, registry_name(model) or model)
+    except ValueError as exc:
+        raise ValueError(f"--adapter {value}: {exc}") from None
+    if path is not None:
+        load_adapter(path)  # a clear error now for a missing or malformed file
+    return path
 
 
 def _adapter_tag(path: Any) -> str:

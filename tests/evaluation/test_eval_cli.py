@@ -12,7 +12,23 @@ def parse(*argv):
     parser = argparse.ArgumentParser(prog="kvfuse")
     sub = parser.add_subparsers(dest="command")
     add_eval_parser(sub)
+    if "--adapter" not in argv:  # the fake engines here have no adapter (the default would name the shipped one)
+        argv = (*argv, "--adapter", "none")
     return parser.parse_args(["eval", *argv])
+
+
+def test_the_default_adapter_is_the_one_the_engine_would_load():
+    """`--adapter` defaults to auto: the embedded model's shipped adapter (so eval measures what a user gets), none
+    for a model without one; 'packaged' for such a model is a clear error before any work."""
+    from kvfuse.engine.adapter import packaged_adapter
+    from kvfuse.evaluation.cli import _adapter_for, _adapter_tag
+
+    shipped = _adapter_for("auto", "qwen2.5-coder-0.5b")
+    assert shipped == packaged_adapter("qwen2.5-coder-0.5b") and _adapter_tag(shipped) == "+adapter"
+    assert _adapter_for("auto", "smollm2-135m") is None and _adapter_tag(None) == ""
+    assert _adapter_for("none", "qwen2.5-coder-0.5b") is None
+    with pytest.raises(ValueError, match="no fusion adapter is shipped"):
+        _adapter_for("packaged", "smollm2-135m")
 
 
 def test_parser_registers_eval_with_run_eval():

@@ -112,10 +112,11 @@ def test_training_lowers_the_distillation_loss(tiny_engine, tmp_path):
     assert (tmp_path / "ad.json").is_file()
 
 
-def test_the_packaged_adapter_is_intact_and_opt_in(tiny_model):
-    """The adapter shipped for the embedded model reads back (safetensors, no pickle), fits Qwen2.5-0.5B's shapes
-    and carries its training record; `adapter="packaged"` for a model without one is a clear error."""
-    from kvfuse.engine.adapter import packaged_adapter
+def test_the_packaged_adapter_is_intact_and_on_by_default(tiny_model):
+    """The adapter shipped for the embedded model reads back (safetensors, no pickle), fits Qwen2.5-0.5B's shapes,
+    carries its training record and is what `adapter="auto"` (the default) resolves to for that model; a model
+    without one gets none by default, and `adapter="packaged"` for it is a clear error."""
+    from kvfuse.engine.adapter import packaged_adapter, resolve_adapter
     from kvfuse.engine.api import FusionEngine
 
     path = packaged_adapter("qwen2.5-coder-0.5b")
@@ -123,7 +124,12 @@ def test_the_packaged_adapter_is_intact_and_opt_in(tiny_model):
     ad = load_adapter(path)
     assert ad.A["q"].shape == (24, ad.rank, 896) and ad.B["k"].shape == (24, 128, ad.rank)
     assert ad.meta["model"] == "qwen2.5-coder-0.5b" and path.with_suffix(".json").is_file()
-    assert packaged_adapter("no-such-model") is None
+    assert ad.stage == "offline"
+    assert resolve_adapter("auto", "qwen2.5-coder-0.5b") == path
+    assert resolve_adapter(None, "qwen2.5-coder-0.5b") is None and resolve_adapter("none", "x") is None
+    assert packaged_adapter("no-such-model") is None and resolve_adapter("auto", "no-such-model") is None
+    tiny = FusionEngine.from_pretrained(str(tiny_model("llama")), device="cpu", dtype="fp32", disk_cache=False)
+    assert tiny.adapter is None
     with pytest.raises(ValueError, match="no fusion adapter is shipped"):
         FusionEngine.from_pretrained(str(tiny_model("llama")), device="cpu", dtype="fp32", disk_cache=False,
                                      adapter="packaged")
