@@ -438,6 +438,7 @@ def cmd_train_adapter(args) -> int:
     check_real(args.lr, "--lr", low=1e-8, high=1.0)
     check_int(args.batch, "--batch", minimum=1)
     check_real(args.max_seconds, "--max-seconds", low=0.0, high=1e7)
+    check_real(args.checkpoint_every, "--checkpoint-every", low=0.0, high=1e7)
     try:
         ratios = tuple(float(r) for r in args.ratios.split(",") if r)
     except ValueError:
@@ -464,12 +465,17 @@ def cmd_train_adapter(args) -> int:
         raise CliError("no training examples left after the reported split")
     cfg = TrainConfig(rank=args.rank, targets=targets, steps=args.steps, lr=args.lr, seed=args.seed,
                       max_doc_tokens=args.max_doc_tokens, stage=args.stage, batch=args.batch,
-                      max_seconds=args.max_seconds, ratios=ratios, strategy=args.strategy)
+                      max_seconds=args.max_seconds, ratios=ratios, strategy=args.strategy,
+                      checkpoint_seconds=args.checkpoint_every)
     _check_model_args(args)
     engine = load_engine(args.model, device=args.device, dtype=args.dtype, prompt=args.prompt, adapter=None)
     print(f"kvfuse: training a fusion adapter for {engine.model_name} on {len(train)} examples "
           f"({', '.join(datasets)}, after the first {args.reported} of each), {args.steps} steps", file=sys.stderr)
-    rec = train_adapter(engine, train, cfg, args.out, log=lambda m: print(m, file=sys.stderr, flush=True))
+    try:
+        rec = train_adapter(engine, train, cfg, args.out, log=lambda m: print(m, file=sys.stderr, flush=True),
+                            resume=args.resume)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
     rec["data"] = {"folder": str(args.data), "datasets": datasets, "reported_per_dataset": args.reported,
                    "train_ids": [ex.id for ex in train]}
     rec["command"] = "kvfuse train-adapter " + " ".join(sys.argv[2:])
@@ -579,7 +585,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ratios", default="0,0.15", help="recompute ratios the student samples (default 0,0.15)")
     p.add_argument("--strategy", default="infoflow", help="the strategy whose selection the student recomputes")
     p.add_argument("--max-seconds", type=float, default=0.0,
-                   help="stop (and save) after this much training time; 0 (default) for no limit")
+                   help="stop (and save) after this much training time, resumed runs included; 0 (default) for no "
+                        "limit")
+    p.add_argument("--checkpoint-every", type=float, default=60.0, dest="checkpoint_every",
+                   help="seconds between checkpoints (OUT.ckpt.safetensors; always written at the end; default 60)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run whose checkpoint is beside --out (same settings; a longer --max-seconds "
+                        "or --steps lets it go on)")
     p.add_argument("--prompt", default="qa", help="prompt preset (as `kvfuse eval --prompt`; default qa)")
     p.add_argument("--out", required=True, help="the adapter file to write (.safetensors; a .json record beside it)")
     _add_model_args(p)

@@ -192,7 +192,9 @@ class TrainConfig:
         answer_tokens: the teacher's greedy answer length at most.
         stage: where the adapter acts, "offline" or "online" (engine/adapter.py).
         batch: prompts per optimiser step (their losses averaged).
-        max_seconds: stop early (and save) after this much training time; 0 for no limit.
+        max_seconds: stop early (and save) after this much training time, counted over resumed runs too; 0 for no
+            limit.
+        checkpoint_seconds: write the checkpoint (`checkpoint_path`) at least this often; 0 for only at the end.
     """
 
     rank: int = 8
@@ -211,6 +213,68 @@ class TrainConfig:
     stage: str = "offline"
     batch: int = 1
     max_seconds: float = 0.0
+    checkpoint_seconds: float = 0.0
+
+    def same_run(self, other: TrainConfig) -> list[str]:
+        """The fields that differ from `other`'s, ignoring how long either run is allowed to go on."""
+        skip = {"steps", "max_seconds", "checkpoint_seconds"}
+        a, b = asdict(self), asdict(other)
+        return [k for k in a if k not in skip and _norm(a[k]) != _norm(b[k])]
+
+
+def _norm(x):
+    return list(x) if isinstance(x, (list, tuple)) else x
+
+
+def checkpoint_path(out: str | Path) -> Path:
+    """Where the training checkpoint of adapter file `out` lives (beside it)."""
+    out = Path(out)
+    return out.with_name(out.stem + ".ckpt.safetensors")
+
+
+def _save_checkpoint(path: Path, adapter: FusionAdapter, opt, state: dict[str, Any]) -> None:
+    """Adapter weights (fp32), the optimiser's moments and the run's state, written atomically (safetensors: no
+    pickle)."""
+    import os
+
+    from safetensors.torch import save_file
+
+    tensors = {f"A.{t}": adapter.A[t].detach().float().cpu().contiguous() for t in adapter.targets}
+    tensors.update({f"B.{t}": adapter.B[t].detach().float().cpu().contiguous() for t in adapter.targets})
+    for i, p in enumerate(adapter.parameters()):
+        st = opt.state.get(p, {})
+        if st:
+            tensors[f"m.{i}"] = st["exp_avg"].detach().cpu().contiguous()
+            tensors[f"v.{i}"] = st["exp_avg_sq"].detach().cpu().contiguous()
+            state.setdefault("opt_steps", {})[str(i)] = float(st["step"])
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp), metadata={"format": "kvfuse-adapter-checkpoint-1", "state": json.dumps(state)})
+    os.replace(tmp, path)
+
+
+def _load_checkpoint(path: Path, adapter: FusionAdapter, opt) -> dict[str, Any]:
+    """Restores what `_save_checkpoint` wrote into `adapter` and `opt`; returns the run's state. ValueError for a
+    file that is not a checkpoint or does not fit the adapter."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = dict(f.metadata() or {})
+            raw = {k: f.get_tensor(k) for k in f.keys()}
+        if meta.get("format") != "kvfuse-adapter-checkpoint-1":
+            raise ValueError(f"format {meta.get('format')!r}")
+        state = json.loads(meta["state"])
+        with torch.no_grad():
+            for t in adapter.targets:
+                adapter.A[t].copy_(raw[f"A.{t}"])
+                adapter.B[t].copy_(raw[f"B.{t}"])
+        for i, p in enumerate(adapter.parameters()):
+            if f"m.{i}" in raw:
+                opt.state[p] = {"step": torch.tensor(state["opt_steps"][str(i)]),
+                                "exp_avg": raw[f"m.{i}"].to(p.device), "exp_avg_sq": raw[f"v.{i}"].to(p.device)}
+    except Exception as exc:  # noqa: BLE001 - any unreadable or mismatched file is one clear error
+        raise ValueError(f"{str(path)!r} is not a usable training checkpoint for this adapter: {exc}") from None
+    return state
 
 
 def training_prompts(examples, cfg: TrainConfig, tokenizer_len: Callable[[str], int]):
@@ -236,9 +300,15 @@ def training_prompts(examples, cfg: TrainConfig, tokenizer_len: Callable[[str], 
 
 
 def train_adapter(engine, examples, cfg: TrainConfig, out: str | Path, *, log: Callable[[str], None] = print,
-                  eval_examples=None) -> dict[str, Any]:
+                  eval_examples=None, resume: bool = False) -> dict[str, Any]:
     """Trains a fusion adapter for `engine`'s model on `examples` and writes `out` (safetensors) and
-    `out`.json (the training record: config, data, loss curve, time)."""
+    `out`.json (the training record: config, data, loss curve, time).
+
+    A checkpoint (`checkpoint_path(out)`: weights, optimiser moments, the loss curve, how far the prompt and ratio
+    streams got) is written every `cfg.checkpoint_seconds` and at the end. With `resume`, a run continues from it
+    (the same config, bar its length limits) exactly where it stopped: a run cut short (a crash, a time limit) and
+    resumed trains the adapter an uninterrupted run would.
+    """
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed + 1)
     adapter = FusionAdapter.init(engine.decoder, cfg.rank, cfg.alpha, cfg.targets, seed=cfg.seed, stage=cfg.stage)
@@ -268,6 +338,7 @@ def train_adapter(engine, examples, cfg: TrainConfig, out: str | Path, *, log: C
     def one_prompt():
         """(KL of one drawn prompt, its record) or None when the teacher answers nothing."""
         ex, docs = next(prompts)
+        drawn["prompts"] += 1
         res = engine.generate(ex.question, docs, strategy="full", max_new_tokens=cfg.answer_tokens,
                               temperature=0.0)
         answer = list(res.token_ids)
@@ -276,6 +347,7 @@ def train_adapter(engine, examples, cfg: TrainConfig, out: str | Path, *, log: C
         layout = engine.layout(ex.question, docs)
         teacher = teacher_logprobs(engine, layout, answer + [0])
         ratio = rng.choice(cfg.ratios)
+        drawn["ratios"] += 1
         if cfg.stage == "online":
             with torch.no_grad():
                 doc_kv = document_kv(engine, layout, None)
@@ -288,8 +360,37 @@ def train_adapter(engine, examples, cfg: TrainConfig, out: str | Path, *, log: C
         return kl, {"ratio": ratio, "docs": len(docs), "prompt_tokens": layout.n, "answer_tokens": len(answer),
                     "example": ex.id}
 
-    curve, t0 = [], time.perf_counter()
-    for step in range(cfg.steps):
+    ckpt = checkpoint_path(out)
+    curve, first, drawn, offset = [], 0, {"prompts": 0, "ratios": 0}, 0.0
+    if resume and ckpt.is_file():
+        state = _load_checkpoint(ckpt, adapter, opt)
+        diff = cfg.same_run(TrainConfig(**{**state["config"], "targets": tuple(state["config"]["targets"]),
+                                           "ratios": tuple(state["config"]["ratios"])}))
+        if diff:
+            raise ValueError(f"the checkpoint {str(ckpt)!r} is of another run (it differs in {', '.join(diff)}); "
+                             "train without resume, or with that run's settings")
+        curve, first, drawn, offset = state["curve"], state["steps"], state["drawn"], state["seconds"]
+        for _ in range(drawn["prompts"]):  # the streams where the run stopped
+            next(prompts)
+        for _ in range(drawn["ratios"]):
+            rng.choice(cfg.ratios)
+        log(f"resuming after step {first} ({offset:.0f} s of training so far)")
+    elif resume:
+        log(f"no checkpoint at {ckpt}: starting afresh")
+
+    def checkpoint(steps: int) -> None:
+        _save_checkpoint(ckpt, adapter, opt, {"config": {**asdict(cfg), "targets": list(cfg.targets),
+                                                         "ratios": list(cfg.ratios)},
+                                              "steps": steps, "drawn": drawn, "curve": curve,
+                                              "seconds": round(time.perf_counter() - t0, 3)})
+
+    t0 = time.perf_counter() - offset
+    last_ckpt = time.perf_counter()
+    stopped = len(curve)
+    for step in range(first, cfg.steps):
+        if cfg.max_seconds and time.perf_counter() - t0 > cfg.max_seconds:
+            log(f"stopping before step {step + 1}: the {cfg.max_seconds:.0f} s limit")
+            break
         for g in opt.param_groups:
             g["lr"] = lr_at(step, time.perf_counter() - t0)
         opt.zero_grad(set_to_none=True)
@@ -310,9 +411,11 @@ def train_adapter(engine, examples, cfg: TrainConfig, out: str | Path, *, log: C
             recent = [c["kl"] for c in curve[-10:]]
             log(f"step {step + 1}/{cfg.steps}  kl {sum(recent) / len(recent):.4f} (mean of last {len(recent)})  "
                 f"{time.perf_counter() - t0:.0f} s")
-        if cfg.max_seconds and time.perf_counter() - t0 > cfg.max_seconds:
-            log(f"stopping after step {step + 1}: the {cfg.max_seconds:.0f} s limit")
-            break
+        if cfg.checkpoint_seconds and time.perf_counter() - last_ckpt >= cfg.checkpoint_seconds:
+            checkpoint(step + 1)
+            last_ckpt = time.perf_counter()
+    if len(curve) > stopped or not ckpt.is_file():
+        checkpoint(len(curve))
     record = {"config": {**asdict(cfg), "targets": list(cfg.targets), "ratios": list(cfg.ratios)},
               "model": engine.model_name, "base_namespace": engine.namespace.model,
               "train_examples": len(examples), "seconds": round(time.perf_counter() - t0, 1), "curve": curve}

@@ -223,3 +223,45 @@ def test_online_training_lowers_the_loss_and_the_stage_round_trips(tiny_engine, 
     assert on.digest != off.digest  # the same tensors acting elsewhere are another cache namespace
     with pytest.raises(ValueError, match="stage"):
         FusionAdapter(2, 4.0, ("q",), {}, {}, stage="sometimes")
+
+
+def test_a_crashed_run_resumes_from_its_checkpoint_to_the_uninterrupted_result(tiny_engine, tmp_path):
+    """A run killed in its third step (the teacher's generate raises) leaves a checkpoint after step 2; resumed,
+    it trains the adapter a run that never stopped trains (same weights, same loss curve). A checkpoint of other
+    settings is refused, and a corrupt one is a clear error, never a silent restart."""
+    from kvfuse.evaluation.data import Example
+    from kvfuse.training.distill import checkpoint_path
+
+    engine = tiny_engine("llama")
+    ex = Example("ex1", "tiny", QUESTION, tuple((i, "", t) for i, t in DOCS), ("Dunmore",))
+    cfg = TrainConfig(rank=4, steps=4, lr=3e-3, warmup=1, ratios=(0.0, 0.3), min_docs=2, max_docs=3,
+                      answer_tokens=3, max_doc_tokens=10_000, checkpoint_seconds=1e-9)
+    straight = train_adapter(engine, [ex], cfg, tmp_path / "a.safetensors", log=lambda s: None)
+
+    real, calls = engine.generate, []
+
+    def flaky(*args, **kw):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("killed")
+        return real(*args, **kw)
+
+    engine.generate = flaky
+    with pytest.raises(RuntimeError, match="killed"):
+        train_adapter(engine, [ex], cfg, tmp_path / "b.safetensors", log=lambda s: None)
+    engine.generate = real
+    assert checkpoint_path(tmp_path / "b.safetensors").is_file() and not (tmp_path / "b.safetensors").exists()
+    resumed = train_adapter(engine, [ex], cfg, tmp_path / "b.safetensors", log=lambda s: None, resume=True)
+    assert [c["kl"] for c in resumed["curve"]] == pytest.approx([c["kl"] for c in straight["curve"]], abs=1e-5)
+    a, b = load_adapter(tmp_path / "a.safetensors"), load_adapter(tmp_path / "b.safetensors")
+    for t in a.targets:
+        torch.testing.assert_close(b.A[t], a.A[t], atol=1e-6, rtol=0)
+        torch.testing.assert_close(b.B[t], a.B[t], atol=1e-6, rtol=0)
+    assert (a.B["q"] != 0).any()  # it trained: the comparison can fail
+    other = TrainConfig(**{**cfg.__dict__, "lr": 1e-3})
+    with pytest.raises(ValueError, match="another run.*lr"):
+        train_adapter(engine, [ex], other, tmp_path / "b.safetensors", log=lambda s: None, resume=True)
+    ck = checkpoint_path(tmp_path / "b.safetensors")
+    ck.write_bytes(ck.read_bytes()[:100])
+    with pytest.raises(ValueError, match="not a usable training checkpoint"):
+        train_adapter(engine, [ex], cfg, tmp_path / "b.safetensors", log=lambda s: None, resume=True)
