@@ -310,8 +310,13 @@ class EvalRunner:
 
     # ------------------------------------------------------------------ helpers
     def label(self, cfg: Config) -> str:
-        """The strategy as recorded: with the adapter tag, except `full` (the base model whatever the adapter)."""
-        return cfg.strategy if cfg.strategy == REFERENCE else cfg.strategy + self.adapter_tag
+        """The strategy as recorded: with the adapter tag, except for strategies that read no cache (`full`, sift:
+        the base model whatever the adapter)."""
+        if cfg.strategy == REFERENCE or not self.adapter_tag:
+            return cfg.strategy
+        from kvfuse.engine.fusion import make_strategy
+
+        return cfg.strategy + self.adapter_tag if make_strategy(cfg.strategy).uses_cache else cfg.strategy
 
     def key(self, example: Example, cfg: Config) -> tuple:
         return record_key(example.id, self.label(cfg), cfg.ratio, self.model, self.max_new_tokens, self.prompt,

@@ -31,6 +31,18 @@ def test_the_default_adapter_is_the_one_the_engine_would_load():
         _adapter_for("packaged", "smollm2-135m")
 
 
+def test_runs_are_tagged_with_the_adapter_only_where_it_acts(tmp_path):
+    """A strategy that reads caches runs with the adapter ('+adapter'); full and sift read none, so their runs are
+    the base model's and keep their plain label (and share records with the runs without an adapter)."""
+    from kvfuse.evaluation.runner import Config, EvalRunner
+
+    r = EvalRunner(lambda: None, tmp_path, model="m", adapter_tag="+adapter")
+    assert [r.label(Config(s, 0.15)) for s in ("full", "sift", "infoflow", "cacheblend:check_layer=2")] == \
+        ["full", "sift", "infoflow+adapter", "cacheblend:check_layer=2+adapter"]
+    plain = EvalRunner(lambda: None, tmp_path, model="m")
+    assert plain.label(Config("infoflow", 0.15)) == "infoflow"
+
+
 def test_parser_registers_eval_with_run_eval():
     args = parse("--data", "x.jsonl", "--ratios", "0.15,0.3", "--limit", "3")
     assert args.func is run_eval and args.ratios == "0.15,0.3" and args.limit == 3
