@@ -345,7 +345,9 @@ def train_adapter(engine, examples, cfg: TrainConfig, out: str | Path, *, log: C
         if len(answer) < 1:
             return None
         layout = engine.layout(ex.question, docs)
-        teacher = teacher_logprobs(engine, layout, answer + [0])
+        # the teacher through the engine's own full prefill (its kernels and graphs; `teacher_logprobs` computes the
+        # same with the plain forward, tests/training)
+        teacher = engine.next_token_logprobs(ex.question, docs, answer + [0], strategy="full").to(engine.device)
         ratio = rng.choice(cfg.ratios)
         drawn["ratios"] += 1
         if cfg.stage == "online":
