@@ -437,6 +437,11 @@ def cmd_train_adapter(args) -> int:
     check_int(args.max_doc_tokens, "--max-doc-tokens", minimum=16)
     check_real(args.lr, "--lr", low=1e-8, high=1.0)
     check_int(args.batch, "--batch", minimum=1)
+    check_int(args.holdout, "--holdout", minimum=0)
+    check_int(args.eval_every, "--eval-every", minimum=0)
+    check_int(args.eval_prompts, "--eval-prompts", minimum=1)
+    if bool(args.holdout) != bool(args.eval_every):
+        raise CliError("--holdout and --eval-every go together (held-out examples, and how often to measure them)")
     check_real(args.max_seconds, "--max-seconds", low=0.0, high=1e7)
     check_real(args.checkpoint_every, "--checkpoint-every", low=0.0, high=1e7)
     try:
@@ -455,28 +460,31 @@ def cmd_train_adapter(args) -> int:
     targets = tuple(t for t in args.targets.split(",") if t)
     datasets = [d for d in args.datasets.split(",") if d]
     examples = read_jsonl(args.data)
-    train = []
+    train, held = [], []
     for name in datasets:  # everything after the reported split, in the evaluation's own seeded order
         order = select_examples(examples, datasets=[name], limit=None, seed=0)
         if not order:
             raise CliError(f"dataset {name!r} has no examples under {args.data}")
-        train.extend(order[args.reported:])
+        held.extend(order[args.reported:args.reported + args.holdout])
+        train.extend(order[args.reported + args.holdout:])
     if not train:
         raise CliError("no training examples left after the reported split")
     cfg = TrainConfig(rank=args.rank, targets=targets, steps=args.steps, lr=args.lr, seed=args.seed,
                       max_doc_tokens=args.max_doc_tokens, stage=args.stage, batch=args.batch,
                       max_seconds=args.max_seconds, ratios=ratios, strategy=args.strategy,
-                      checkpoint_seconds=args.checkpoint_every)
+                      checkpoint_seconds=args.checkpoint_every, eval_every=args.eval_every,
+                      eval_prompts=args.eval_prompts)
     _check_model_args(args)
     engine = load_engine(args.model, device=args.device, dtype=args.dtype, prompt=args.prompt, adapter=None)
     print(f"kvfuse: training a fusion adapter for {engine.model_name} on {len(train)} examples "
           f"({', '.join(datasets)}, after the first {args.reported} of each), {args.steps} steps", file=sys.stderr)
     try:
         rec = train_adapter(engine, train, cfg, args.out, log=lambda m: print(m, file=sys.stderr, flush=True),
-                            resume=args.resume)
+                            resume=args.resume, eval_examples=held or None)
     except ValueError as exc:
         raise CliError(str(exc)) from None
     rec["data"] = {"folder": str(args.data), "datasets": datasets, "reported_per_dataset": args.reported,
+                   "held_out_per_dataset": args.holdout, "held_out_ids": [ex.id for ex in held],
                    "train_ids": [ex.id for ex in train]}
     rec["command"] = "kvfuse train-adapter " + " ".join(sys.argv[2:])
     import pathlib
@@ -589,6 +597,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "limit")
     p.add_argument("--checkpoint-every", type=float, default=60.0, dest="checkpoint_every",
                    help="seconds between checkpoints (OUT.ckpt.safetensors; always written at the end; default 60)")
+    p.add_argument("--holdout", type=int, default=0,
+                   help="examples per dataset right after the reported split kept out of training and used to pick "
+                        "the adapter written: the lowest held-out KL (with --eval-every; default 0, none)")
+    p.add_argument("--eval-every", type=int, default=0, dest="eval_every",
+                   help="steps between held-out measurements (with --holdout)")
+    p.add_argument("--eval-prompts", type=int, default=16, dest="eval_prompts",
+                   help="fixed held-out prompts measured each time (default 16)")
     p.add_argument("--resume", action="store_true",
                    help="continue the run whose checkpoint is beside --out (same settings; a longer --max-seconds "
                         "or --steps lets it go on)")

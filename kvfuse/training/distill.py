@@ -195,6 +195,9 @@ class TrainConfig:
         max_seconds: stop early (and save) after this much training time, counted over resumed runs too; 0 for no
             limit.
         checkpoint_seconds: write the checkpoint (`checkpoint_path`) at least this often; 0 for only at the end.
+        eval_every / eval_prompts: with held-out examples, the student's KL on `eval_prompts` fixed prompts built
+            from them is measured before training and every `eval_every` steps (0: never), and the adapter written
+            is the one of the lowest held-out KL.
     """
 
     rank: int = 8
@@ -214,10 +217,12 @@ class TrainConfig:
     batch: int = 1
     max_seconds: float = 0.0
     checkpoint_seconds: float = 0.0
+    eval_every: int = 0
+    eval_prompts: int = 16
 
     def same_run(self, other: TrainConfig) -> list[str]:
         """The fields that differ from `other`'s, ignoring how long either run is allowed to go on."""
-        skip = {"steps", "max_seconds", "checkpoint_seconds"}
+        skip = {"steps", "max_seconds", "checkpoint_seconds", "eval_every", "eval_prompts"}
         a, b = asdict(self), asdict(other)
         return [k for k in a if k not in skip and _norm(a[k]) != _norm(b[k])]
 
@@ -308,6 +313,10 @@ def train_adapter(engine, examples, cfg: TrainConfig, out: str | Path, *, log: C
     streams got) is written every `cfg.checkpoint_seconds` and at the end. With `resume`, a run continues from it
     (the same config, bar its length limits) exactly where it stopped: a run cut short (a crash, a time limit) and
     resumed trains the adapter an uninterrupted run would.
+
+    `eval_examples` (never trained on) with `cfg.eval_every`: the held-out KL is tracked (record["held_out"]) and
+    `out` is the adapter of its lowest point (record["best_step"]; step 0 is no adapter at all); the last weights
+    stay in the checkpoint.
     """
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed + 1)
@@ -362,6 +371,49 @@ def train_adapter(engine, examples, cfg: TrainConfig, out: str | Path, *, log: C
         return kl, {"ratio": ratio, "docs": len(docs), "prompt_tokens": layout.n, "answer_tokens": len(answer),
                     "example": ex.id}
 
+    online = cfg.stage == "online"
+    evalset: list = []
+    if eval_examples and cfg.eval_every:  # fixed prompts and their teachers, built once
+        stream = training_prompts(eval_examples, TrainConfig(**{**asdict(cfg), "seed": cfg.seed + 2}), tok_len)
+        for _ in range(4 * cfg.eval_prompts):
+            if len(evalset) == cfg.eval_prompts:
+                break
+            ex, docs = next(stream)
+            answer = list(engine.generate(ex.question, docs, strategy="full", max_new_tokens=cfg.answer_tokens,
+                                          temperature=0.0).token_ids)
+            if answer:
+                evalset.append((ex, docs, answer, engine.next_token_logprobs(
+                    ex.question, docs, answer + [0], strategy="full").to(engine.device)))
+    eval_ratio = 0.15 if 0.15 in cfg.ratios else max(cfg.ratios)
+
+    def held_out_kl() -> float:
+        """Mean KL(teacher || student) over the held-out prompts at `eval_ratio`, no gradient."""
+        kls = []
+        with torch.no_grad():
+            for ex, docs, answer, teacher in evalset:
+                layout = engine.layout(ex.question, docs)
+                doc_kv = document_kv(engine, layout, None if online else adapter)
+                recompute = strategy_selection(engine, layout, doc_kv, cfg.strategy, eval_ratio, selector,
+                                               exact_first=online)
+                student = student_logprobs(engine, layout, answer + [0], adapter, recompute, doc_kv)
+                kls.append(float((teacher.exp() * (teacher - student)).sum(-1).mean()))
+        return sum(kls) / len(kls)
+
+    out = Path(out)
+    best_path = out.with_name(out.stem + ".best.safetensors")
+    held_out, best = [], {"kl": math.inf, "step": 0}
+
+    def track(steps: int) -> None:
+        """Measures the held-out KL after `steps` steps and keeps the adapter when it is the lowest so far."""
+        kl = held_out_kl()
+        held_out.append({"step": steps, "kl": round(kl, 5)})
+        log(f"held-out KL after step {steps}: {kl:.4f} ({len(evalset)} prompts)")
+        if kl < best["kl"]:
+            best.update(kl=kl, step=steps)
+            adapter.meta = {"base": engine.namespace.model, "model": engine.model_name, "steps": str(steps),
+                            "seed": str(cfg.seed)}
+            adapter.save(best_path)
+
     ckpt = checkpoint_path(out)
     curve, first, drawn, offset = [], 0, {"prompts": 0, "ratios": 0}, 0.0
     if resume and ckpt.is_file():
@@ -372,6 +424,8 @@ def train_adapter(engine, examples, cfg: TrainConfig, out: str | Path, *, log: C
             raise ValueError(f"the checkpoint {str(ckpt)!r} is of another run (it differs in {', '.join(diff)}); "
                              "train without resume, or with that run's settings")
         curve, first, drawn, offset = state["curve"], state["steps"], state["drawn"], state["seconds"]
+        held_out[:] = state.get("held_out", [])
+        best.update(state.get("best", {"kl": math.inf, "step": 0}))
         for _ in range(drawn["prompts"]):  # the streams where the run stopped
             next(prompts)
         for _ in range(drawn["ratios"]):
@@ -384,11 +438,14 @@ def train_adapter(engine, examples, cfg: TrainConfig, out: str | Path, *, log: C
         _save_checkpoint(ckpt, adapter, opt, {"config": {**asdict(cfg), "targets": list(cfg.targets),
                                                          "ratios": list(cfg.ratios)},
                                               "steps": steps, "drawn": drawn, "curve": curve,
+                                              "held_out": held_out, "best": best,
                                               "seconds": round(time.perf_counter() - t0, 3)})
 
     t0 = time.perf_counter() - offset
     last_ckpt = time.perf_counter()
     stopped = len(curve)
+    if evalset and not held_out:
+        track(0)
     for step in range(first, cfg.steps):
         if cfg.max_seconds and time.perf_counter() - t0 > cfg.max_seconds:
             log(f"stopping before step {step + 1}: the {cfg.max_seconds:.0f} s limit")
@@ -413,9 +470,13 @@ def train_adapter(engine, examples, cfg: TrainConfig, out: str | Path, *, log: C
             recent = [c["kl"] for c in curve[-10:]]
             log(f"step {step + 1}/{cfg.steps}  kl {sum(recent) / len(recent):.4f} (mean of last {len(recent)})  "
                 f"{time.perf_counter() - t0:.0f} s")
+        if evalset and (step + 1) % cfg.eval_every == 0:
+            track(step + 1)
         if cfg.checkpoint_seconds and time.perf_counter() - last_ckpt >= cfg.checkpoint_seconds:
             checkpoint(step + 1)
             last_ckpt = time.perf_counter()
+    if evalset and held_out[-1]["step"] != len(curve):
+        track(len(curve))
     if len(curve) > stopped or not ckpt.is_file():
         checkpoint(len(curve))
     record = {"config": {**asdict(cfg), "targets": list(cfg.targets), "ratios": list(cfg.ratios)},
@@ -423,10 +484,18 @@ def train_adapter(engine, examples, cfg: TrainConfig, out: str | Path, *, log: C
               "train_examples": len(examples), "seconds": round(time.perf_counter() - t0, 1), "curve": curve}
     for p in params:
         p.requires_grad_(False)
-    adapter.meta = {"base": engine.namespace.model, "model": engine.model_name, "steps": str(len(curve)),
-                    "seed": str(cfg.seed)}
-    out = Path(out)
-    adapter.save(out)
+    if evalset:  # the adapter of the lowest held-out KL
+        import os
+
+        record.update(held_out=held_out, best_step=best["step"], held_out_prompts=len(evalset),
+                      held_out_ratio=eval_ratio)
+        if best_path.exists():  # else the best is already `out` (a finished run resumed without a new low)
+            os.replace(best_path, out)
+        log(f"kept the adapter of step {best['step']} (held-out KL {best['kl']:.4f})")
+    else:
+        adapter.meta = {"base": engine.namespace.model, "model": engine.model_name, "steps": str(len(curve)),
+                        "seed": str(cfg.seed)}
+        adapter.save(out)
     out.with_suffix(".json").write_text(json.dumps(record, indent=1))
     log(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB) and {out.with_suffix('.json')}")
     return record

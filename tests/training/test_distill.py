@@ -265,3 +265,40 @@ def test_a_crashed_run_resumes_from_its_checkpoint_to_the_uninterrupted_result(t
     ck.write_bytes(ck.read_bytes()[:100])
     with pytest.raises(ValueError, match="not a usable training checkpoint"):
         train_adapter(engine, [ex], cfg, tmp_path / "b.safetensors", log=lambda s: None, resume=True)
+
+
+def test_held_out_examples_pick_the_adapter_written(tiny_engine, tmp_path):
+    """With held-out examples the student's KL on fixed held-out prompts is measured before training (no adapter)
+    and every few steps; the adapter written is the one of the lowest point, its step recorded."""
+    from kvfuse.evaluation.data import Example
+
+    engine = tiny_engine("llama")
+    train = [Example("ex1", "tiny", QUESTION, tuple((i, "", t) for i, t in DOCS), ("Dunmore",))]
+    held = [Example("ex2", "tiny", QUESTION, tuple((i, "", t) for i, t in DOCS[::-1]), ("Dunmore",))]
+    cfg = TrainConfig(rank=4, steps=6, lr=3e-3, warmup=1, ratios=(0.0,), min_docs=3, max_docs=3, answer_tokens=4,
+                      max_doc_tokens=10_000, eval_every=2, eval_prompts=2)
+    rec = train_adapter(engine, train, cfg, tmp_path / "h.safetensors", log=lambda s: None, eval_examples=held)
+    steps = [h["step"] for h in rec["held_out"]]
+    kls = [h["kl"] for h in rec["held_out"]]
+    assert steps == [0, 2, 4, 6] and rec["held_out_prompts"] == 2
+    assert rec["best_step"] == steps[kls.index(min(kls))]
+    assert min(kls) < kls[0]  # training moved the held-out KL (the same documents, reordered)
+    ad = load_adapter(tmp_path / "h.safetensors")
+    assert ad.meta["steps"] == str(rec["best_step"]) and (ad.B["q"] != 0).any()
+    assert not (tmp_path / "h.best.safetensors").exists()
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--holdout", "2"], "--holdout and --eval-every go together"),
+    (["--ratios", "0.2,abc"], "--ratios must be comma-separated numbers"),
+    (["--ratios", "1.5"], "--ratios must be numbers in"),
+    (["--strategy", "sift"], "--strategy must be a strategy that reads caches"),
+    (["--batch", "0"], "--batch"),
+])
+def test_train_adapter_refuses_bad_options_before_any_work(tmp_path, capsys, extra, message):
+    from kvfuse import cli
+
+    out = tmp_path / "a.safetensors"
+    assert cli.main(["train-adapter", "--data", str(tmp_path), "--out", str(out), *extra]) == 2
+    assert message in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # nothing written, no model loaded
