@@ -175,7 +175,7 @@ class FusionEngine:
         strat = None if strategy is None else make_strategy(strategy)
         docs = self._documents(docs, strat)
         if getattr(strat, "sparse_index", False):  # sift: indexes only, never a K/V entry
-            return self._precompute_indexes(docs, strat)
+            return self._precompute_indexes(docs, strat)[0]
         with self.scheduler.exclusive(), span("kvfuse.precompute", documents=len(docs)) as sp:
             t0 = time.perf_counter()
             doc_ids = self._encode_documents(docs)
@@ -194,13 +194,15 @@ class FusionEngine:
         return PrecomputeReport(hits=after.hits - before.hits, misses=after.misses - before.misses,
                                 tokens=tokens, seconds=time.perf_counter() - t0)
 
-    def _precompute_indexes(self, docs: list[Document], strat) -> PrecomputeReport:
+    def _precompute_indexes(self, docs: list[Document], strat, with_bytes: bool = False):
+        """(PrecomputeReport, each document's serialised index or None) of one pass over `docs`."""
         t0 = time.perf_counter()
         with span("kvfuse.precompute", documents=len(docs), strategy=strat.name):
             found = self._index_documents(docs, strat)
         hits = sum(hit for *_, hit in found)
         tokens = sum(len(ids) for ids, _, _, hit in found if not hit)
-        return PrecomputeReport(hits=hits, misses=len(docs) - hits, tokens=tokens, seconds=time.perf_counter() - t0)
+        report = PrecomputeReport(hits=hits, misses=len(docs) - hits, tokens=tokens, seconds=time.perf_counter() - t0)
+        return report, ([idx.to_bytes(key) for _, key, idx, _ in found] if with_bytes else None)
 
     def _index_documents(self, docs: list[Document], strat) -> list[tuple[list[int], str, Any, bool]]:
         """Every document's (token ids, index key, index, hit), computing the missing indexes; checked to fit the
@@ -727,10 +729,16 @@ class FusionEngine:
         Raises:
             ValueError: `strategy` is not an index strategy, or a document does not fit the context window.
         """
+        return self.precompute_indexes(docs, strategy)[1]
+
+    def precompute_indexes(self, docs: Iterable[Any], strategy: str | Strategy = "sift"
+                           ) -> tuple[PrecomputeReport, list[bytes]]:
+        """`precompute(docs, strategy)` and `sift_index_bytes(docs, strategy)` in one pass over the documents: what
+        an ingestion pipeline that stores the indexes with its documents calls."""
         strat = make_strategy(strategy)
         if not getattr(strat, "sparse_index", False):
             raise ValueError(f"strategy {strat.name!r} keeps no selective index (use 'sift')")
-        return [idx.to_bytes(key) for _, key, idx, _ in self._index_documents(self._documents(docs, strat), strat)]
+        return self._precompute_indexes(self._documents(docs, strat), strat, with_bytes=True)
 
     def _token_texts(self, ids: list[int]) -> list[str]:
         """Each token's own text (memoised per token id)."""

@@ -63,8 +63,7 @@ class KVFusePrecompute(BaseDocumentTransformer):
             raise TypeError(f"KVFusePrecompute.transform_documents got unexpected keyword arguments {sorted(kwargs)}")
         docs = lc_documents_to_documents(list(documents))
         if self._indexes:
-            self.last_report = self.engine.precompute(docs, strategy=self.strategy, show_progress=self.show_progress)
-            blobs = self.engine.sift_index_bytes(docs, self.strategy)
+            self.last_report, blobs = self.engine.precompute_indexes(docs, self.strategy)
             return [LCDocument(page_content=d.page_content, metadata={**d.metadata, SIFT_METADATA_KEY: encode_index(b)},
                                id=d.id) for d, b in zip(documents, blobs)]
         if self.compute:

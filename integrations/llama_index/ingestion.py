@@ -137,11 +137,13 @@ class KVFusePrecompute(TransformComponent):
             for i in range(0, len(pairs), self.batch_size):
                 batch = pairs[i:i + self.batch_size]
                 batch_docs = [d for _, d in batch]
-                report = self._engine.precompute(batch_docs, strategy=self.strategy)
-                hits, misses, tokens = hits + report.hits, misses + report.misses, tokens + report.tokens
-                if indexes:  # computed just above: these are store hits, serialised into the nodes' metadata
-                    for (node, _), blob in zip(batch, self._engine.sift_index_bytes(batch_docs, self.strategy)):
+                if indexes:  # one pass: computed where missing, serialised into the nodes' metadata
+                    report, blobs = self._engine.precompute_indexes(batch_docs, self.strategy)
+                    for (node, _), blob in zip(batch, blobs):
                         _attach_index(node, blob)
+                else:
+                    report = self._engine.precompute(batch_docs, strategy=self.strategy)
+                hits, misses, tokens = hits + report.hits, misses + report.misses, tokens + report.tokens
                 for node, doc in batch:
                     self._ref_docs.setdefault(node.ref_doc_id or node.node_id, set()).add(doc.id)
                 if bar is not None:

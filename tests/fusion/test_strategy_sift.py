@@ -188,8 +188,12 @@ def test_carried_indexes_are_used_and_bad_ones_refused(tiny_engine, monkeypatch)
     engine = tiny_engine("llama")
     docs = DOCS + LONG
     sparse = dict(strategy="sift", block=4, local_mass=0.5, cross_mass=0.3, on_miss="compute")
-    blobs = engine.sift_index_bytes(docs, "sift:block=4:local_mass=0.5:cross_mass=0.3")
+    report, blobs = engine.precompute_indexes(docs, "sift:block=4:local_mass=0.5:cross_mass=0.3")
+    assert (report.misses, report.hits) == (len(docs), 0)  # one pass computed them all
     assert all(isinstance(b, bytes) and 100 < len(b) < 4096 for b in blobs)
+    again, same = engine.precompute_indexes(docs, "sift:block=4:local_mass=0.5:cross_mass=0.3")
+    assert (again.hits, again.misses) == (len(docs), 0) and same == blobs
+    assert engine.sift_index_bytes(docs, "sift:block=4:local_mass=0.5:cross_mass=0.3") == blobs
     carried = [Document(d[0], d[1], sift_index=b) for d, b in zip(docs, blobs)]
     fresh = tiny_engine("llama")  # no index store: the carried bytes are all it has
     answer = fresh.generate(QUESTION, docs, strategy="full", max_new_tokens=5).token_ids
