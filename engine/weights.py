@@ -682,9 +682,13 @@ def registry_name(name_or_path: str | Path, cache_dir: str | Path | None = None)
     path = Path(key).expanduser()
     if path.is_file() and path.suffix.lower() == ".gguf":
         root = (Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()).absolute()
-        sha = _cached_file_sha256(path, root, progress=False)
-        return next((s.name for s in REGISTRY.values() if s.sha256 == sha), None)
+        return _registry_name_of_sha(_cached_file_sha256(path, root, progress=False))
     return None
+
+
+def _registry_name_of_sha(sha: str) -> str | None:
+    """The registry model whose GGUF has this sha256, or None."""
+    return next((s.name for s in REGISTRY.values() if s.sha256 == sha), None)
 
 
 def resolve_model(name_or_path: str | Path, cache_dir: str | Path | None = None,
@@ -741,7 +745,7 @@ def resolve_model(name_or_path: str | Path, cache_dir: str | Path | None = None,
         path = path.resolve()
         sha = _cached_file_sha256(path, root, progress)
         # The joined GGUF of a registry model shares that model's conversion.
-        name = next((s.name for s in REGISTRY.values() if s.sha256 == sha), path.stem)
+        name = _registry_name_of_sha(sha) or path.stem
         final = converted_dir(name, sha, dtype, root)
         if _conversion_complete(final):
             return final

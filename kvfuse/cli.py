@@ -450,11 +450,11 @@ def cmd_train_adapter(args) -> int:
         raise CliError(f"--ratios must be comma-separated numbers, got {args.ratios!r}") from None
     if not ratios or any(not 0.0 <= r <= 1.0 for r in ratios):
         raise CliError(f"--ratios must be numbers in [0, 1], got {args.ratios!r}")
-    from kvfuse.engine.fusion import available
+    from kvfuse.engine.fusion import available, make_strategy
 
-    if args.strategy not in available() or args.strategy in ("full", "sift"):
-        raise CliError(f"--strategy must be a strategy that reads caches ({', '.join(available())}), "
-                       f"got {args.strategy!r}")
+    if args.strategy not in available() or not make_strategy(args.strategy).uses_cache:
+        raise CliError(f"--strategy must be a strategy that reads caches (one of {', '.join(available())} but full "
+                       f"and sift), got {args.strategy!r}")
     if not str(args.out).endswith(".safetensors"):
         raise CliError(f"--out must name a .safetensors file, got {args.out!r}")
     targets = tuple(t for t in args.targets.split(",") if t)

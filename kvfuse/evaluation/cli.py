@@ -168,7 +168,8 @@ ONLINE_TAG = "+online"    # runs with an online one (the fused prefill's compute
 
 
 def _adapter_for(value: str, model: str) -> Any:
-    """--adapter resolved before any model work: None, or the adapter file's path (checked readable)."""
+    """--adapter resolved and read before any model work (a clear error for a missing or malformed file): the
+    FusionAdapter the engine will run, or None. Read once; the engine is handed the adapter itself."""
     from kvfuse.engine.adapter import load_adapter, resolve_adapter
     from kvfuse.engine.weights import registry_name
 
@@ -176,18 +177,14 @@ def _adapter_for(value: str, model: str) -> Any:
         path = resolve_adapter(value, registry_name(model) or model)
     except ValueError as exc:
         raise ValueError(f"--adapter {value}: {exc}") from None
-    if path is not None:
-        load_adapter(path)  # a clear error now for a missing or malformed file
-    return path
+    return None if path is None else load_adapter(path)
 
 
-def _adapter_tag(path: Any) -> str:
-    """The label suffix of runs with the adapter file at `path` (none: "")."""
-    if path is None:
+def _adapter_tag(adapter: Any) -> str:
+    """The label suffix of runs with `adapter` (none: "")."""
+    if adapter is None:
         return ""
-    from kvfuse.engine.adapter import load_adapter
-
-    return ONLINE_TAG if load_adapter(path).stage == "online" else ADAPTER_TAG
+    return ONLINE_TAG if adapter.stage == "online" else ADAPTER_TAG
 
 
 def run_eval(args: argparse.Namespace, engine_factory: Any = None) -> int:

@@ -14,6 +14,7 @@ Every finished run is appended at once to `<out>/records.jsonl`, keyed by
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -270,6 +271,14 @@ def _finite(x: Any) -> float | None:
     return x if math.isfinite(x) else None
 
 
+@functools.lru_cache(maxsize=None)
+def _reads_cache(spec: str) -> bool:
+    """Whether the strategy `spec` names reads document caches (so an adapter acts on its runs)."""
+    from kvfuse.engine.fusion import make_strategy
+
+    return make_strategy(spec).uses_cache
+
+
 class EvalRunner:
     """Runs configs over examples with one engine; resumable through `RecordStore`.
 
@@ -314,9 +323,7 @@ class EvalRunner:
         the base model whatever the adapter)."""
         if cfg.strategy == REFERENCE or not self.adapter_tag:
             return cfg.strategy
-        from kvfuse.engine.fusion import make_strategy
-
-        return cfg.strategy + self.adapter_tag if make_strategy(cfg.strategy).uses_cache else cfg.strategy
+        return cfg.strategy + self.adapter_tag if _reads_cache(cfg.strategy) else cfg.strategy
 
     def key(self, example: Example, cfg: Config) -> tuple:
         return record_key(example.id, self.label(cfg), cfg.ratio, self.model, self.max_new_tokens, self.prompt,

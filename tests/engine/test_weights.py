@@ -412,3 +412,14 @@ def test_default_qwen_resolves(qwen_dir):
     assert time.perf_counter() - t < 1.0
     cfg = json.loads((qwen_dir / "config.json").read_text())
     assert cfg["model_type"] == "qwen2" and cfg["num_hidden_layers"] == 24 and not cfg.get("tie_word_embeddings")
+
+
+def test_registry_name_maps_names_and_ggufs_without_converting(tmp_path):
+    """A registry name is itself; a .gguf whose sha256 is no registry model's, and any other path, map to None
+    (nothing converted, only the file's hash remembered under the cache dir)."""
+    assert W.registry_name("qwen2.5-coder-0.5b") == "qwen2.5-coder-0.5b"
+    other = tmp_path / "mine.gguf"
+    other.write_bytes(b"GGUF" + bytes(60))
+    assert W.registry_name(other, cache_dir=tmp_path / "cache") is None
+    assert W.registry_name(tmp_path) is None and W.registry_name("no-such-model") is None
+    assert not (tmp_path / "cache" / "models").exists()
