@@ -116,11 +116,12 @@ class FusionEngine:
         window = min(self.decoder.spec.max_positions, sliding or 1 << 62)
         self._shortest_tail = len(self.prompts.empty_tail)  # the question template around an empty question
         # the document caches: store, registry, offline extras and cache variants (see engine/doccache.py)
-        offline = adapter is not None and adapter.stage == "offline"
-        doc_runner = Runner(AdaptedDecoder(self.decoder, adapter), cuda_graphs=False) if offline else None
-        # fused prefills (strategies that read caches) with an online adapter run the merged weights; `full`,
-        # sift and decoding stay the base model
-        self.fused_runner = self.runner if adapter is None or offline else Runner(
+        # an offline adapter computes the documents (so no cache is exact); fused prefills (strategies that read
+        # caches) with an online one run the merged weights; `full`, sift and decoding stay the base model
+        self._documents_adapted = adapter is not None and adapter.stage == "offline"
+        doc_runner = (Runner(AdaptedDecoder(self.decoder, adapter), cuda_graphs=False) if self._documents_adapted
+                      else None)
+        self.fused_runner = self.runner if adapter is None or self._documents_adapted else Runner(
             merge_into(self.decoder, adapter), cuda_graphs=self.config.cuda_graphs,
             piecewise_graphs=self.config.piecewise_graphs, bucketed=self.config.bucketed_prefill)
         self.doc_cache = DocumentCache(self.runner, self.prompts, self.namespace, self.config,
@@ -548,8 +549,7 @@ class FusionEngine:
         # computes there (fusionrag's variants are computed with other context, documents computed with the fusion
         # adapter offline differ by design: not exact)
         exact = (prefix_kv is not None and bool(layout.docs) and layout.docs[0].start == layout.prefix.end
-                 and not getattr(strat, "cache_variant", None)
-                 and (self.adapter is None or self.adapter.stage == "online"))
+                 and not getattr(strat, "cache_variant", None) and not self._documents_adapted)
         miss_s = time.perf_counter() - t0 if miss_tokens else 0.0
         return layout, _segments(layout, prefix_kv, kvs, exact, self.prompts.question_span(layout)), miss_s
 

@@ -329,7 +329,8 @@ def train_adapter(engine, examples, cfg: TrainConfig, out: str | Path, *, log: C
     # moves what the probe of a query-aware strategy sees, so it selects with the adapter, as the engine will
     from ..engine.runner import Runner
 
-    selector = Runner(AdaptedDecoder(engine.decoder, adapter) if cfg.stage == "online" else engine.decoder,
+    online = cfg.stage == "online"
+    selector = Runner(AdaptedDecoder(engine.decoder, adapter) if online else engine.decoder,
                       cuda_graphs=False, bucketed=False)
 
     def lr_at(step: int, elapsed: float) -> float:
@@ -344,34 +345,38 @@ def train_adapter(engine, examples, cfg: TrainConfig, out: str | Path, *, log: C
     tok_len = (lambda text: len(engine.tokenizer(text, add_special_tokens=False)["input_ids"]))
     prompts = training_prompts(examples, cfg, tok_len)
 
+    def teacher_for(ex, docs):
+        """(full's greedy answer, the teacher's log-probs over it, through the engine's own full prefill:
+        `teacher_logprobs` computes the same with the plain forward, tests/training), or None for no answer."""
+        answer = list(engine.generate(ex.question, docs, strategy="full", max_new_tokens=cfg.answer_tokens,
+                                      temperature=0.0).token_ids)
+        if not answer:
+            return None
+        return answer, engine.next_token_logprobs(ex.question, docs, answer + [0], strategy="full").to(engine.device)
+
+    def student_kl(ex, docs, answer, teacher, ratio):
+        """(KL(teacher || student) per answer token, the prompt's layout) at `ratio`; differentiable in the
+        adapter (documents are computed with it when it is offline, an online one leaves them alone)."""
+        layout = engine.layout(ex.question, docs)
+        doc_kv = document_kv(engine, layout, adapter)
+        recompute = strategy_selection(engine, layout, doc_kv, cfg.strategy, ratio, selector, exact_first=online)
+        student = student_logprobs(engine, layout, answer + [0], adapter, recompute, doc_kv)
+        return (teacher.exp() * (teacher - student)).sum(-1).mean(), layout
+
     def one_prompt():
         """(KL of one drawn prompt, its record) or None when the teacher answers nothing."""
         ex, docs = next(prompts)
         drawn["prompts"] += 1
-        res = engine.generate(ex.question, docs, strategy="full", max_new_tokens=cfg.answer_tokens,
-                              temperature=0.0)
-        answer = list(res.token_ids)
-        if len(answer) < 1:
+        got = teacher_for(ex, docs)
+        if got is None:
             return None
-        layout = engine.layout(ex.question, docs)
-        # the teacher through the engine's own full prefill (its kernels and graphs; `teacher_logprobs` computes the
-        # same with the plain forward, tests/training)
-        teacher = engine.next_token_logprobs(ex.question, docs, answer + [0], strategy="full").to(engine.device)
+        answer, teacher = got
         ratio = rng.choice(cfg.ratios)
         drawn["ratios"] += 1
-        if cfg.stage == "online":
-            with torch.no_grad():
-                doc_kv = document_kv(engine, layout, None)
-        else:
-            doc_kv = document_kv(engine, layout, adapter)
-        recompute = strategy_selection(engine, layout, doc_kv, cfg.strategy, ratio, selector,
-                                       exact_first=cfg.stage == "online")
-        student = student_logprobs(engine, layout, answer + [0], adapter, recompute, doc_kv)
-        kl = (teacher.exp() * (teacher - student)).sum(-1).mean()
+        kl, layout = student_kl(ex, docs, answer, teacher, ratio)
         return kl, {"ratio": ratio, "docs": len(docs), "prompt_tokens": layout.n, "answer_tokens": len(answer),
                     "example": ex.id}
 
-    online = cfg.stage == "online"
     evalset: list = []
     if eval_examples and cfg.eval_every:  # fixed prompts and their teachers, built once
         stream = training_prompts(eval_examples, TrainConfig(**{**asdict(cfg), "seed": cfg.seed + 2}), tok_len)
@@ -379,24 +384,16 @@ def train_adapter(engine, examples, cfg: TrainConfig, out: str | Path, *, log: C
             if len(evalset) == cfg.eval_prompts:
                 break
             ex, docs = next(stream)
-            answer = list(engine.generate(ex.question, docs, strategy="full", max_new_tokens=cfg.answer_tokens,
-                                          temperature=0.0).token_ids)
-            if answer:
-                evalset.append((ex, docs, answer, engine.next_token_logprobs(
-                    ex.question, docs, answer + [0], strategy="full").to(engine.device)))
+            got = teacher_for(ex, docs)
+            if got is not None:
+                evalset.append((ex, docs, *got))
     eval_ratio = 0.15 if 0.15 in cfg.ratios else max(cfg.ratios)
 
     def held_out_kl() -> float:
         """Mean KL(teacher || student) over the held-out prompts at `eval_ratio`, no gradient."""
-        kls = []
         with torch.no_grad():
-            for ex, docs, answer, teacher in evalset:
-                layout = engine.layout(ex.question, docs)
-                doc_kv = document_kv(engine, layout, None if online else adapter)
-                recompute = strategy_selection(engine, layout, doc_kv, cfg.strategy, eval_ratio, selector,
-                                               exact_first=online)
-                student = student_logprobs(engine, layout, answer + [0], adapter, recompute, doc_kv)
-                kls.append(float((teacher.exp() * (teacher - student)).sum(-1).mean()))
+            kls = [float(student_kl(ex, docs, answer, teacher, eval_ratio)[0])
+                   for ex, docs, answer, teacher in evalset]
         return sum(kls) / len(kls)
 
     out = Path(out)
@@ -434,10 +431,10 @@ def train_adapter(engine, examples, cfg: TrainConfig, out: str | Path, *, log: C
     elif resume:
         log(f"no checkpoint at {ckpt}: starting afresh")
 
+    config = {**asdict(cfg), "targets": list(cfg.targets), "ratios": list(cfg.ratios)}
+
     def checkpoint(steps: int) -> None:
-        _save_checkpoint(ckpt, adapter, opt, {"config": {**asdict(cfg), "targets": list(cfg.targets),
-                                                         "ratios": list(cfg.ratios)},
-                                              "steps": steps, "drawn": drawn, "curve": curve,
+        _save_checkpoint(ckpt, adapter, opt, {"config": config, "steps": steps, "drawn": drawn, "curve": curve,
                                               "held_out": held_out, "best": best,
                                               "seconds": round(time.perf_counter() - t0, 3)})
 
@@ -479,7 +476,7 @@ def train_adapter(engine, examples, cfg: TrainConfig, out: str | Path, *, log: C
         track(len(curve))
     if len(curve) > stopped or not ckpt.is_file():
         checkpoint(len(curve))
-    record = {"config": {**asdict(cfg), "targets": list(cfg.targets), "ratios": list(cfg.ratios)},
+    record = {"config": config,
               "model": engine.model_name, "base_namespace": engine.namespace.model,
               "train_examples": len(examples), "seconds": round(time.perf_counter() - t0, 1), "curve": curve}
     for p in params:
