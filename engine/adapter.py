@@ -208,6 +208,7 @@ def merge_into(dec: Decoder, adapter: FusionAdapter) -> Decoder:
             a = adapter.A[t][i].to(w.device, torch.float32)
             b = adapter.B[t][i].to(w.device, torch.float32)
             setattr(new, _WEIGHT[t], (w.float() + adapter.scale * (b @ a)).to(w.dtype).contiguous())
+        new.repack(qkv=bool({"q", "k", "v"} & set(adapter.targets)), gu=bool({"gate", "up"} & set(adapter.targets)))
         merged.layers.append(new)
     return merged
 

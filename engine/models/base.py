@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ...kernels.rmsnorm import rms_norm
+from ...kernels.silu_mul import silu_mul
 
 __all__ = ["ArchSpec", "Decoder", "rms_norm"]
 
@@ -55,11 +56,36 @@ class ArchSpec:
         return 2 * self.n_layers * self.n_kv_heads * self.head_dim
 
 
+def _pack(modules) -> tuple[Tensor, Tensor | None] | None:
+    """One weight (and bias) holding the modules' rows in order; each module's weight becomes a view of it, so the
+    model keeps one copy. None when their biases are mixed (some present, some not) or their devices or dtypes differ.
+    """
+    ws = [m.weight for m in modules]
+    bs = [m.bias for m in modules]
+    if len({(w.device, w.dtype, w.shape[1]) for w in ws}) != 1 or len({b is None for b in bs}) != 1:
+        return None
+    packed = torch.cat([w.detach() for w in ws])
+    bias = None if bs[0] is None else torch.cat([b.detach() for b in bs])
+    o = 0
+    for m in modules:
+        n = m.weight.shape[0]
+        m.weight.data = packed[o:o + n]
+        if bias is not None:
+            m.bias.data = bias[o:o + n]
+        o += n
+    return packed, bias
+
+
 class _Layer:
-    """References to one decoder layer's weights (no copies)."""
+    """References to one decoder layer's weights (no copies).
+
+    q/k/v and gate/up are also held packed (`wqkv`, `bqkv`, `w_gu`: one GEMM each instead of three and two); the
+    separate names are views of the packed rows. `repack` rebuilds the packs after a weight was replaced.
+    """
 
     def __init__(self, hf_layer, with_qk_norm: bool) -> None:
         a, m = hf_layer.self_attn, hf_layer.mlp
+        qkv, gu = _pack([a.q_proj, a.k_proj, a.v_proj]), _pack([m.gate_proj, m.up_proj])
         self.ln1 = hf_layer.input_layernorm.weight
         self.ln2 = hf_layer.post_attention_layernorm.weight
         self.wq, self.bq = a.q_proj.weight, a.q_proj.bias
@@ -69,6 +95,17 @@ class _Layer:
         self.q_norm = a.q_norm.weight if with_qk_norm else None
         self.k_norm = a.k_norm.weight if with_qk_norm else None
         self.w_gate, self.w_up, self.w_down = m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight
+        self.wqkv, self.bqkv = qkv if qkv is not None else (None, None)
+        self.w_gu = gu[0] if gu is not None else None
+
+    def repack(self, qkv: bool = True, gu: bool = True) -> None:
+        """Rebuilds the packed weights from the separate ones (a copy; the separate names stay as they are)."""
+        if qkv and self.wqkv is not None:
+            self.wqkv = torch.cat([self.wq, self.wk, self.wv])
+            if self.bqkv is not None:
+                self.bqkv = torch.cat([self.bq, self.bk, self.bv])
+        if gu and self.w_gu is not None:
+            self.w_gu = torch.cat([self.w_gate, self.w_up])
 
 
 _ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu}
@@ -123,9 +160,14 @@ class Decoder:
         """
         s, w = self.spec, self.layers[i]
         x = rms_norm(h, w.ln1, s.rms_eps)
-        q = F.linear(x, w.wq, w.bq).view(-1, s.n_heads, s.head_dim)
-        k = F.linear(x, w.wk, w.bk).view(-1, s.n_kv_heads, s.head_dim)
-        v = F.linear(x, w.wv, w.bv).view(-1, s.n_kv_heads, s.head_dim)
+        if w.wqkv is not None:  # one GEMM; q, k, v are column views of its output
+            dq, dkv = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
+            q, k, v = F.linear(x, w.wqkv, w.bqkv).split([dq, dkv, dkv], dim=-1)
+        else:
+            q, k, v = F.linear(x, w.wq, w.bq), F.linear(x, w.wk, w.bk), F.linear(x, w.wv, w.bv)
+        q = q.view(-1, s.n_heads, s.head_dim)
+        k = k.view(-1, s.n_kv_heads, s.head_dim)
+        v = v.view(-1, s.n_kv_heads, s.head_dim)
         if w.q_norm is not None:
             q = rms_norm(q, w.q_norm, s.rms_eps)
             k = rms_norm(k, w.k_norm, s.rms_eps)
@@ -143,6 +185,8 @@ class Decoder:
         s, w = self.spec, self.layers[i]
         h = h + F.linear(attn.reshape(attn.shape[0], -1), w.wo, w.bo)
         x = rms_norm(h, w.ln2, s.rms_eps)
+        if w.w_gu is not None:  # gate and up in one GEMM, the activation and product in one kernel
+            return h + F.linear(silu_mul(F.linear(x, w.w_gu), self.act), w.w_down)
         return h + F.linear(self.act(F.linear(x, w.w_gate)) * F.linear(x, w.w_up), w.w_down)
 
     def logits(self, h: Tensor) -> Tensor:

@@ -7,6 +7,8 @@ local positions and re-positioned exactly at use.
 """
 from __future__ import annotations
 
+import array
+import functools
 import hashlib
 from dataclasses import dataclass
 
@@ -26,7 +28,7 @@ class Namespace:
     layout: int = LAYOUT_VERSION
     adapter: str = ""  # the fusion adapter's digest (engine/adapter.py); "" for none
 
-    @property
+    @functools.cached_property
     def digest(self) -> str:
         raw = f"kvfuse|layout={self.layout}|model={self.model}|tok={self.tokenizer}|dtype={self.dtype}"
         if self.adapter:  # caches computed with an adapter live in their own namespace
@@ -35,18 +37,29 @@ class Namespace:
 
 
 def _ids_bytes(ids: Tensor | list[int]) -> bytes:
+    """int64 little-endian bytes of the ids (a list goes through `array`, ~3x faster than a tensor on the host)."""
+    if not isinstance(ids, Tensor) and array.array("q").itemsize == 8 and _LITTLE:
+        return array.array("q", ids).tobytes()
     t = torch.as_tensor(ids, dtype=torch.int64).cpu().contiguous()
     return t.numpy().tobytes()
 
 
+_LITTLE = array.array("H", [1]).tobytes() == b"\x01\x00"
+
+
+@functools.lru_cache(maxsize=64)
+def _prefix_hasher(digest: str, prefix: bytes):
+    h = hashlib.sha256()
+    h.update(digest.encode())
+    h.update(len(prefix).to_bytes(8, "little"))
+    h.update(prefix)
+    return h
+
+
 def content_key(ns: Namespace, prefix_ids: Tensor | list[int], doc_ids: Tensor | list[int]) -> str:
     """The cache key of a document prefilled after `prefix_ids` (hex sha256)."""
-    h = hashlib.sha256()
-    h.update(ns.digest.encode())
-    p, d = _ids_bytes(prefix_ids), _ids_bytes(doc_ids)
-    h.update(len(p).to_bytes(8, "little"))
-    h.update(p)
-    h.update(d)
+    h = _prefix_hasher(ns.digest, _ids_bytes(prefix_ids)).copy()  # the namespace and prefix part, hashed once
+    h.update(_ids_bytes(doc_ids))
     return h.hexdigest()
 
 

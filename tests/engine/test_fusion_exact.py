@@ -229,3 +229,33 @@ def test_result_reports_where_the_recomputed_tokens_are(strategy, tiny_engine):
     assert (len(pos) == 0) == (strategy == "reuse")
     full = engine.generate(QUESTION, DOCS, strategy="full", max_new_tokens=2)
     assert full.recomputed_positions == [] and full.recomputed_tokens == full.doc_tokens
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_packed_projections_are_the_models_weights_and_compute_the_same(family, tiny_engine):
+    """q/k/v and gate/up run as one GEMM each over packed weights; the model's own modules hold views of the packs
+    (one copy), and a layer computes what the separate projections compute."""
+    import torch.nn.functional as F
+
+    from kvfuse.kernels.rmsnorm import rms_norm
+
+    engine = tiny_engine(family)
+    dec, s = engine.decoder, engine.decoder.spec
+    w, hf = dec.layers[1], engine.hf_model.model.layers[1]
+    assert w.wqkv is not None and w.w_gu is not None
+    for mod, pack in ((hf.self_attn.q_proj, w.wqkv), (hf.self_attn.v_proj, w.wqkv), (hf.mlp.up_proj, w.w_gu)):
+        assert mod.weight.untyped_storage().data_ptr() == pack.untyped_storage().data_ptr()
+    h = torch.randn(6, s.hidden, generator=torch.Generator().manual_seed(3))
+    x = rms_norm(h, w.ln1, s.rms_eps)
+    want = [F.linear(x, m.weight, m.bias) for m in (hf.self_attn.q_proj, hf.self_attn.k_proj, hf.self_attn.v_proj)]
+    got = dec.project(1, h)
+    if w.q_norm is not None:  # qwen3: the per-head norms follow the projections
+        want[0] = rms_norm(want[0].view(6, s.n_heads, s.head_dim), w.q_norm, s.rms_eps)
+        want[1] = rms_norm(want[1].view(6, s.n_kv_heads, s.head_dim), w.k_norm, s.rms_eps)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.reshape(6, -1), b.reshape(6, -1))
+    attn = torch.randn(6, s.n_heads, s.head_dim, generator=torch.Generator().manual_seed(4))
+    mid = h + F.linear(attn.reshape(6, -1), w.wo, w.bo)
+    y = rms_norm(mid, w.ln2, s.rms_eps)
+    mlp = hf.mlp.down_proj(F.silu(hf.mlp.gate_proj(y)) * hf.mlp.up_proj(y))
+    torch.testing.assert_close(dec.finish(1, h, attn), mid + mlp)

@@ -182,9 +182,11 @@ def test_fusion_adapters_on_cuda_match_the_cpu_and_eager_paths(stage):
     g = torch.Generator().manual_seed(3)
     for t in ad.targets:
         ad.B[t] = torch.randn(ad.B[t].shape, generator=g) * 0.05
+    small = 1 << 28  # a pool sized to the test, not to the free GPU memory (engines of earlier tests may live)
     kw = dict(model_fingerprint=info.fingerprint, tokenizer_fingerprint=info.tokenizer_fingerprint, adapter=ad)
     cpu = FusionEngine(cpu_model, tok, EngineConfig(), **kw)
-    gpu = FusionEngine(load_tiny("llama", dtype=torch.float32)[0].cuda(), tok, EngineConfig(kv_tier="pool"), **kw)
+    gpu = FusionEngine(load_tiny("llama", dtype=torch.float32)[0].cuda(), tok,
+                       EngineConfig(kv_tier="pool", memory_budget_bytes=small), **kw)
     for strat in ("reuse", "cacheblend", "infoflow"):
         a = cpu.next_token_logprobs(QUESTION, DOCS, [11, 12, 13], strategy=strat, recompute_ratio=0.3)
         b = gpu.next_token_logprobs(QUESTION, DOCS, [11, 12, 13], strategy=strat, recompute_ratio=0.3)
@@ -196,9 +198,11 @@ def test_fusion_adapters_on_cuda_match_the_cpu_and_eager_paths(stage):
                                rtol=1e-3, atol=1e-3)
     bf = dict(adapter=ad, model_fingerprint=info.fingerprint, tokenizer_fingerprint=info.tokenizer_fingerprint)
     model, _, _ = load_tiny("llama", dtype=torch.float32)
-    eager = FusionEngine(model.to("cuda", torch.bfloat16), tok, EngineConfig(kv_tier="pool", cuda_graphs=False), **bf)
+    eager = FusionEngine(model.to("cuda", torch.bfloat16), tok,
+                         EngineConfig(kv_tier="pool", cuda_graphs=False, memory_budget_bytes=small), **bf)
     model, _, _ = load_tiny("llama", dtype=torch.float32)
-    graphs = FusionEngine(model.to("cuda", torch.bfloat16), tok, EngineConfig(kv_tier="pool"), **bf)
+    graphs = FusionEngine(model.to("cuda", torch.bfloat16), tok, EngineConfig(kv_tier="pool", memory_budget_bytes=small),
+                          **bf)
     for docs in (DOCS, DOCS[::-1], DOCS):
         ref = eager.generate(QUESTION, docs, strategy="infoflow", recompute_ratio=0.3, max_new_tokens=6)
         for _ in range(2):
@@ -206,3 +210,5 @@ def test_fusion_adapters_on_cuda_match_the_cpu_and_eager_paths(stage):
                                    max_new_tokens=6).token_ids == ref.token_ids
     if stage == "online":
         assert graphs.fused_runner is not graphs.runner and graphs.fused_runner.layout.captures >= 1
+    for e in (gpu, eager, graphs):
+        e.close()

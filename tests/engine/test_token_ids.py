@@ -116,3 +116,24 @@ def test_bad_ids_are_one_value_error_before_any_work(tiny_engine):
     with pytest.raises(ValueError, match="too long for any prompt"):
         engine.precompute([Document("long", token_ids=[7] * engine.context_window)])
     assert calls == [] and engine.cache_stats()["memory_entries"] == 0
+
+
+def test_document_texts_are_tokenized_once_and_a_changed_text_again(tiny_engine):
+    """Recurring document texts are not tokenized again on every request (their ids are memoised by the text
+    itself); a changed text is tokenized anew, and the answer equals a cold engine's."""
+    engine = tiny_engine("llama")
+    seen = []
+    encode = engine.prompts._encode
+    engine.prompts._encode = lambda text: seen.append(text) or encode(text)
+    docs = as_documents(DOCS)
+    first = engine.generate(QUESTION, docs, strategy="cacheblend", max_new_tokens=4)
+    n = len(seen)
+    assert sum(d.text in t for d in docs for t in seen) == len(docs)
+    again = engine.generate(QUESTION, docs, strategy="cacheblend", max_new_tokens=4)
+    assert again.token_ids == first.token_ids
+    assert not any(d.text in t for d in docs for t in seen[n:])  # only the question's tail was tokenized
+    changed = [Document(docs[0].id, docs[0].text + " It rained."), *docs[1:]]
+    third = engine.generate(QUESTION, changed, strategy="cacheblend", max_new_tokens=4)
+    assert sum(changed[0].text in t for t in seen[n:]) == 1
+    cold = tiny_engine("llama").generate(QUESTION, changed, strategy="cacheblend", max_new_tokens=4)
+    assert third.token_ids == cold.token_ids
