@@ -67,13 +67,13 @@ def attention_rows(t: int, hq: int, hkv: int, d: int) -> list[tuple[str, object]
                 vr = vh.repeat_interleave(g, dim=1)
                 return F.scaled_dot_product_attention(qh.contiguous(), kr, vr, is_causal=True)[0].transpose(0, 1)
 
-        rows.append((f"sdpa {name}, K/V repeated (today)", repeated))
+        rows.append((f"sdpa {name}, K/V repeated", repeated))
         rows.append((f"sdpa {name}, GQA (enable_gqa)", grouped))
         rows.append((f"sdpa {name}, repeated, q contiguous, no out copy", contiguous_heads))
     return rows
 
 
-def dense_rows(t: int, hidden: int, hq: int, hkv: int, d: int, ffn: int) -> list[tuple[str, object]]:
+def dense_rows(t: int, hidden: int, hq: int, hkv: int, d: int, ffn: int) -> dict[str, list[tuple[str, object]]]:
     dev, dt = "cuda", torch.bfloat16
     x = torch.randn(t, hidden, device=dev, dtype=dt)
     wq = torch.randn(hq * d, hidden, device=dev, dtype=dt) * 0.02
@@ -98,18 +98,18 @@ def dense_rows(t: int, hidden: int, hq: int, hkv: int, d: int, ffn: int) -> list
         gu = F.linear(x, wgu)
         return F.linear(F.silu(gu[:, :ffn]) * gu[:, ffn:], wd)
 
-    rows = [("qkv: 3 GEMMs (today)", qkv3), ("qkv: 1 GEMM", qkv1), ("mlp: gate, up, silu*up, down (today)", mlp_today),
-            ("mlp: one gate|up GEMM, torch silu*up", mlp_one_gemm)]
+    qkv = [("qkv: 3 GEMMs", qkv3), ("qkv: 1 GEMM", qkv1)]
+    mlp = [("mlp: gate, up, silu*up, down", mlp_today), ("mlp: one gate|up GEMM, torch silu*up", mlp_one_gemm)]
     try:
         from kvfuse.kernels.silu_mul import silu_mul
 
         def mlp_fused():
             return F.linear(silu_mul(F.linear(x, wgu)), wd)
 
-        rows.append(("mlp: one gate|up GEMM, fused silu*up kernel", mlp_fused))
+        mlp.append(("mlp: one gate|up GEMM, fused silu*up kernel", mlp_fused))
     except ImportError:
         pass
-    return rows
+    return {"qkv": qkv, "mlp": mlp}
 
 
 def main() -> int:
@@ -121,7 +121,7 @@ def main() -> int:
     for shape in args.shapes.split(","):
         hidden, hq, hkv, d, ffn = SHAPES[shape]
         for t in map(int, args.rows.split(",")):
-            groups = {"attention": attention_rows(t, hq, hkv, d), "dense": dense_rows(t, hidden, hq, hkv, d, ffn)}
+            groups = {"attention": attention_rows(t, hq, hkv, d), **dense_rows(t, hidden, hq, hkv, d, ffn)}
             for group, rows in groups.items():
                 base = None
                 for name, fn in rows:
