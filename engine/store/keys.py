@@ -10,6 +10,7 @@ from __future__ import annotations
 import array
 import functools
 import hashlib
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -38,13 +39,13 @@ class Namespace:
 
 def _ids_bytes(ids: Tensor | list[int]) -> bytes:
     """int64 little-endian bytes of the ids (a list goes through `array`, ~3x faster than a tensor on the host)."""
-    if not isinstance(ids, Tensor) and array.array("q").itemsize == 8 and _LITTLE:
+    if not isinstance(ids, Tensor) and _ARRAY_INT64_LE:
         return array.array("q", ids).tobytes()
     t = torch.as_tensor(ids, dtype=torch.int64).cpu().contiguous()
     return t.numpy().tobytes()
 
 
-_LITTLE = array.array("H", [1]).tobytes() == b"\x01\x00"
+_ARRAY_INT64_LE = array.array("q").itemsize == 8 and sys.byteorder == "little"  # array bytes == the tensor's
 
 
 @functools.lru_cache(maxsize=64)

@@ -90,3 +90,14 @@ def test_changed_content_under_same_id_is_stale_not_served():
     assert store.lookup("doc", NEW) is None
     assert store.stats.stale == 1 and store.stats.misses == 1
     assert store.lookup("doc", OLD) is not None  # the old content is still valid under its own key
+
+
+def test_content_keys_of_lists_and_tensors_agree():
+    """Keys hashed from a list (the array fast path) equal keys of the same ids as a tensor (the torch path), so
+    entries cached before the fast path are still found."""
+    from kvfuse.engine.store.keys import Namespace, content_key
+
+    ns = Namespace(model="m", tokenizer="t", dtype="bf16")
+    ids = [5, 2**40, 0, 151000]
+    assert content_key(ns, [1, 2, 3], ids) == content_key(ns, torch.tensor([1, 2, 3]), torch.tensor(ids))
+    assert content_key(ns, [1, 2, 3], ids) != content_key(ns, [1, 2], [3, *ids])
