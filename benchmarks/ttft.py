@@ -170,6 +170,14 @@ def ceilings(device: str) -> tuple[float, float]:
     return tflops, gbs
 
 
+def offline_data(name: str) -> bool:
+    """Whether a strategy reads per-document data computed offline besides the caches (sift's indexes, qcfuse's
+    anchors): the benchmark precomputes it, untimed, as a deployment would."""
+    from kvfuse.engine.fusion import make_strategy
+
+    return name == "sift" or bool(getattr(make_strategy(name), "needs_extras", ()))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="llama8b")
@@ -187,6 +195,9 @@ def main() -> int:
     ap.add_argument("--out", default="ttft.csv")
     ap.add_argument("--cuda-graphs", type=int, default=1, help="1: repeated prefills replay CUDA graphs")
     ap.add_argument("--verbose", action="store_true", help="print every call (TTFT, sizes, graph use)")
+    ap.add_argument("--row-steps", default="",
+                    help="comma list of prompt-row bucket steps per octave to compare side by side (first-sight "
+                         "rows of bucketed strategies; default: the engine's own)")
     ap.add_argument("--layouts", default="first-sight,repeated",
                     help="first-sight: every timed request a new random layout (document count and lengths; its "
                          "documents precomputed, untimed); repeated: the same request every time (graph replay); "
@@ -244,12 +255,19 @@ def main() -> int:
                                      cuda_graphs=bool(args.cuda_graphs))
                 q, docs = request(engine, n, args.doc_tokens, args.question_tokens, vocab, seed=n)
                 engine.precompute(docs)
-                if "sift" in strategies:  # sift reads indexes, precomputed like caches (untimed)
-                    engine.precompute(docs, strategy="sift")
+                for s_ in strategies:  # indexes (sift) and extras (qcfuse's anchors), precomputed like caches
+                    if offline_data(s_):
+                        engine.precompute(docs, strategy=s_)
                 names = strategies if tier == "pool" else [s for s in args.host_strategies.split(",")
                                                              if s in available()]
-                for name, layout in [(s_, lay) for s_ in names for lay in args.layouts.split(",")]:
+                steps = [int(x) for x in args.row_steps.split(",") if x] or [None]
+                engine_steps = engine.runner.layout.row_steps if engine.runner.layout is not None else None
+                runs = [(s_, lay, st) for s_ in names for lay in args.layouts.split(",")
+                        for st in (steps if lay == "first-sight" else [None])]
+                for name, layout, row_steps in runs:
                     ratio = args.ratio
+                    if engine.runner.layout is not None:
+                        engine.runner.layout.row_steps = row_steps or engine_steps
                     fresh = iter(range(1_000_000))
 
                     def call(name=name, ratio=ratio, layout=layout):
@@ -259,8 +277,8 @@ def main() -> int:
                         if layout in ("first-sight", "cold-bucket"):
                             qi, ds = random_layout(engine, n, args.question_tokens, vocab, next(fresh))
                             engine.precompute(ds)  # cached, untimed: the layout is what is new
-                            if name == "sift":
-                                engine.precompute(ds, strategy="sift")
+                            if offline_data(name):
+                                engine.precompute(ds, strategy=name)
                         sync()
                         lg_ = engine.runner.layout
                         before = (lg_.replays, lg_.captures, lg_.eager_runs) if lg_ is not None else ()
@@ -286,6 +304,8 @@ def main() -> int:
                     floor = (fl["full"] if name in ("full", "sift") else fl["reuse"] if name == "reuse"
                              else fl["fused"])  # sift computes every token (its attention is sparse)
                     label = (name if name in ("full", "reuse", "sift") else f"{name}@{ratio:.0%}") + f" {layout}"
+                    if row_steps is not None:
+                        label += f" N/{row_steps}"
                     lg = engine.runner.layout
                     graphs = (f"{lg.replays}/{lg.captures}/{lg.eager_runs}" if lg is not None else "-")
                     rows.append({**base, "row": f"kvfuse {label}", "tier": tier, "ttft_ms": t * 1e3,

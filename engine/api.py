@@ -143,7 +143,8 @@ class FusionEngine:
 
         Args:
             device: "cpu", "cuda", or None for the best available.
-            dtype: "bf16" (default), "fp16", "fp32".
+            dtype: "bf16", "fp16", "fp32", or None: bf16 on CUDA and on CPUs with native bf16 matmul, fp32 on
+                other CPUs (where bf16 is emulated, 50-100x slower).
             cache_dir: where converted weights and (with `disk_cache`) document caches live.
             disk_cache: keep document caches on disk under cache_dir/kv (shared across processes).
             adapter: "auto" (the default: the fusion adapter shipped for this model when there is one, as for the
@@ -153,7 +154,8 @@ class FusionEngine:
         """
         from .weights import default_cache_dir, load_model
 
-        dev, dt = resolve_device(device), resolve_dtype(dtype)
+        dev = resolve_device(device)
+        dt = resolve_dtype(dtype, dev)
         model, tok, info = load_model(name_or_path, dtype=dt, device=dev, cache_dir=cache_dir)
         if disk_cache and "disk_cache_dir" not in config:
             config["disk_cache_dir"] = (cache_dir and __import__("pathlib").Path(cache_dir) or

@@ -68,12 +68,13 @@ class _Host:
     pre: Tensor | None  # check kind: [p] positions computed through the check layer
     pool: object = None  # the KVPool every cached row lives in (None: plain)
     check: int = -1  # check kind: the check layer
+    vb: int = 0  # probe kind: bucket of the probe's compressed key view (0: the probe sees every key)
 
 
 class _Inputs:
     """Views of one packed int64 device buffer: the request's layout as data."""
 
-    def __init__(self, buf: Tensor, nb: int, mb: int, kb: int) -> None:
+    def __init__(self, buf: Tensor, nb: int, mb: int, kb: int, vb: int = 0) -> None:
         self.buf = buf
         o = 0
 
@@ -91,10 +92,12 @@ class _Inputs:
         self.chosen = take(kb)         # [K] host kind: chosen positions (-1 = padding)
         self.scalars = take(4)         # [k, index of the last prompt row among the final active rows,
         #                                 start, end of the question's own rows (0, N when none are marked)]
+        self.view = take(vb)           # [V] probe kind with a compressed view: the positions the probed rows
+        #                                 attend to, ascending (-1 = padding, last)
 
     @staticmethod
-    def width(nb: int, mb: int, kb: int) -> int:
-        return nb + nb + 1 + mb + nb + nb + kb + 4
+    def width(nb: int, mb: int, kb: int, vb: int = 0) -> int:
+        return nb + nb + 1 + mb + nb + nb + kb + 4 + vb
 
 
 def _real_first(pos: Tensor) -> Tensor:
@@ -112,10 +115,13 @@ class LayoutGraphs:
         max_graphs: buckets kept captured (least recently used dropped).
         max_bytes: bound of the captured buckets' static outputs (their prompt K/V rows), least recently used
             dropped beyond it; intermediates share one memory pool.
+        row_steps: prompt-row (N) bucket sizes per octave.
     """
 
-    def __init__(self, runner, graphs: bool, max_graphs: int = 24, max_bytes: int = 8 << 30) -> None:
+    def __init__(self, runner, graphs: bool, max_graphs: int = 24, max_bytes: int = 8 << 30,
+                 row_steps: int = 8) -> None:
         self.runner = runner
+        self.row_steps = row_steps  # prompt-row buckets per octave (N): more steps, less padding, more graphs
         self.dec = runner.dec
         self.spec = runner.spec
         self.graphs = graphs and self.dec.device.type == "cuda"
@@ -155,14 +161,17 @@ class LayoutGraphs:
             kind = "check"
         else:
             kind = "host"
-        nb = bucket_size(n, 8, 64)
+        nb = bucket_size(n, self.row_steps, 64)
         if pool is not None and nb >= pool.scratch_rows:  # the last scratch row is the trash row
             return None
         must = plan.must_pos
         m = int(must.numel())
         mb = bucket_size(m, 4, 16)
         ctx = SelectContext(n_layers=spec.n_layers, ratio=ratio, candidates=plan.cand_host,
-                            doc_spans=plan.doc_spans, question=must, budget_tokens=plan.budget_tokens)
+                            doc_spans=plan.doc_spans, question=must, budget_tokens=plan.budget_tokens,
+                            doc_extras=[seg.kv.extras for seg in cached if seg.selectable and not seg.exact],
+                            exact_spans=[(seg.start, seg.end) for seg in cached if seg.exact],
+                            exact_extras=[seg.kv.extras for seg in cached if seg.exact])
         chosen = None
         if kind == "plain":
             k = 0
@@ -174,12 +183,19 @@ class LayoutGraphs:
             if k == 0 and kind == "probe":  # nothing to choose: the probe's answer is not needed
                 kind, chosen = "host", torch.zeros(0, dtype=torch.long)
         kb = bucket_size(k, 8, 16)
+        view = strategy.probe_keys(ctx) if kind == "probe" else None  # host work: the plan's own tensors
+        if view is not None:
+            view = torch.unique(torch.cat([view.cpu().long(), must.long()]))
+        vb = 0 if view is None else bucket_size(int(view.numel()), 8, 64)
         sig = signature(strategy)
         if sig is None:
             return None
-        key = (*sig, kind, nb, mb, kb, id(pool))
-        packed = torch.zeros(_Inputs.width(nb, mb, kb), dtype=torch.long)
-        v = _Inputs(packed, nb, mb, kb)
+        key = (*sig, kind, nb, mb, kb, vb, id(pool))
+        packed = torch.zeros(_Inputs.width(nb, mb, kb, vb), dtype=torch.long)
+        v = _Inputs(packed, nb, mb, kb, vb)
+        if view is not None:
+            v.view.fill_(-1)
+            v.view[:view.numel()] = view
         v.ids[:n] = ids.cpu()
         if pool is not None:
             base = pool_rows([(seg.start, seg.end, seg.kv) for seg in cached], n, pool)
@@ -202,7 +218,7 @@ class LayoutGraphs:
         v.scalars[2], v.scalars[3] = plan.question_rows or (0, n)
         check = strategy.check_layers(spec.n_layers)[0] if kind == "check" else -1
         return _Host(kind=kind, n=n, nb=nb, m=m, mb=mb, k=k, kb=kb, key=key, packed=packed, pre=pre, pool=pool,
-                     check=check)
+                     check=check, vb=vb)
 
     # -- device side ------------------------------------------------------------------------------------
     def _rows(self, pool, inp: _Inputs, act: Tensor, nb: int) -> tuple[Tensor, Tensor]:
@@ -224,6 +240,12 @@ class LayoutGraphs:
         valid = act >= 0
         cand = inp.cand > 0
         rows, dst = self._rows(pool, inp, act, h.nb)
+        if h.vb:  # the probed rows attend to the view only; padded keys sit past every query (position N)
+            seen = inp.view >= 0
+            view_rows = torch.where(seen, rows[inp.view.clamp_min(0)], rows[0])
+            view_pos = torch.where(seen, inp.view, h.nb)
+        else:
+            view_rows, view_pos = rows, kv_pos
         rope = (cos[act], sin[act])
         x = dec.embed_tokens(inp.ids[act.clamp_min(0)])
         probes = {}
@@ -237,7 +259,7 @@ class LayoutGraphs:
                 att = attention_scores(qr, act, kp, rows, kv_pos, cos, sin, spec.scale)   # [M, N]
                 probes[i] = torch.where(valid[:, None] & cand[None, :], att, 0.0)
             if i < max(layers):
-                x = dec.finish(i, x, fused_attention(qr, act, kp, vp, rows, kv_pos, cos, sin, spec.scale))
+                x = dec.finish(i, x, fused_attention(qr, act, kp, vp, view_rows, view_pos, cos, sin, spec.scale))
         own = valid & (act >= inp.scalars[2]) & (act < inp.scalars[3])
         ctx = SelectContext(n_layers=spec.n_layers, ratio=ratio, candidates=kv_pos, doc_spans=[], question=act,
                             question_attention=probes, probe_rows=own)
@@ -332,7 +354,7 @@ class LayoutGraphs:
             logits, fresh, act, recomputed = out
         else:
             self.eager_runs += 1
-            inp = _Inputs(h.packed.to(dev, non_blocking=True), h.nb, h.mb, h.kb)
+            inp = _Inputs(h.packed.to(dev, non_blocking=True), h.nb, h.mb, h.kb, h.vb)
             if h.kind == "probe":
                 clock.start()
                 inp.chosen.copy_(self._body(h, inp, strategy, ratio, pool, "select"))
@@ -348,7 +370,7 @@ class LayoutGraphs:
             self.reset()  # full: start over (rare; buckets are few)
             self.seen[h.key] = 2
         try:
-            inp = _Inputs(h.packed.to(self.dec.device), h.nb, h.mb, h.kb)
+            inp = _Inputs(h.packed.to(self.dec.device), h.nb, h.mb, h.kb, h.vb)
             sel_graph = None
             if h.kind == "probe":
                 sel_graph, chosen = capture_graph(lambda: self._body(h, inp, strategy, ratio, pool, "select"),

@@ -72,7 +72,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help=f"registry name (qwen2.5-coder-0.5b, smollm2-135m, qwen2.5-coder-1.5b), a .gguf file or a "
                         f"Hugging Face model folder (default: {DEFAULT_MODEL})")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--dtype", default=None, choices=["bf16", "fp16", "fp32"], help="default bf16")
+    p.add_argument("--dtype", default=None, choices=["bf16", "fp16", "fp32"], help="default: bf16 on CUDA and on CPUs with native bf16, else fp32")
     p.add_argument("--cache-dir", default=None, help="converted weights and document caches "
                                                      "(default: $KVFUSE_CACHE_DIR or ~/.cache/kvfuse)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")

@@ -11,6 +11,11 @@ Critical layers, in order of precedence: `layers=` given to the constructor; the
 `kvfuse profile-layers` (handed over by the engine through `use_model_profile`); else the documented default,
 the layers at 1/4, 1/2 and 3/4 of the depth. A document stored without anchors is seen in full. With
 `full_view=True` the probe sees the whole cache (the digest ratio set to 1), which is ProphetKV's view.
+
+Layout-free: the view is a host function of the layout and the stored anchors, so on CUDA a never-seen layout runs
+the bucketed path (engine/bucketed.py: the view passed as data, padded to its own bucket, probe and main pass
+replayed from graphs per bucket) with no host synchronisation. The exact-size path still builds the view with
+host reads, so it is not `graph_safe` there.
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ def default_critical_layers(n_layers: int) -> tuple[int, ...]:
 class QCFuse(Strategy):
     name = "qcfuse"
     needs_extras = ("anchors",)
+    layout_free = True
 
     def __init__(self, layers=None, full_view: bool = False) -> None:
         self.layers = None if layers is None else tuple(int(x) for x in layers)

@@ -59,8 +59,10 @@ class DocKV:
                                                                   for t in self.extras.values())
 
     def to(self, device) -> DocKV:
+        """K/V on `device`; the extras stay in host memory (small index tensors, read by host-side plans such as
+        a bucketed prefill's probe view: on the device they would cost a synchronisation per request)."""
         return DocKV(self.k.to(device, non_blocking=True), self.v.to(device, non_blocking=True),
-                     {n: t.to(device) for n, t in self.extras.items()})
+                     {n: t.cpu() for n, t in self.extras.items()})
 
 
 def _mac(secret: bytes, key: str, digest: str) -> str:

@@ -66,7 +66,8 @@ class MemoryTier:
             end = start + kv.length
             self.pool.k[:, start:end].copy_(kv.k, non_blocking=True)
             self.pool.v[:, start:end].copy_(kv.v, non_blocking=True)
-            kv = DocKV(self.pool.k[:, start:end], self.pool.v[:, start:end], kv.extras, self.pool, start)
+            kv = DocKV(self.pool.k[:, start:end], self.pool.v[:, start:end],
+                       {n: t.cpu() for n, t in kv.extras.items()}, self.pool, start)  # extras: host side
         self._items[key] = kv
         self.used += size
         return True

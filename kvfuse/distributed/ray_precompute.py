@@ -534,7 +534,8 @@ def precompute_corpus(source: str | os.PathLike[str], *, model: str | None = Non
         address: the Ray cluster to join ("auto", "ray://host:10001"); None joins the cluster this process is
             connected to already, or starts a local one (shut down at the end).
         format: "auto" or one of FORMATS.
-        device, dtype: of the engines ("cuda" when the cluster has GPUs, else "cpu"; dtype default bf16). The
+        device, dtype: of the engines ("cuda" when the cluster has GPUs, else "cpu"; dtype default as for
+            `FusionEngine.from_pretrained`: bf16 on CUDA and on CPUs with native bf16, else fp32). The
             caches are only served to engines of the same model, tokenizer and dtype.
         strategy: also compute the offline data this fusion strategy reads (as `engine.precompute`'s).
         threads_per_worker: torch threads of a CPU actor (default: the cluster's CPUs shared among the actors).

@@ -15,7 +15,7 @@ from kvfuse.engine.types import as_documents
 
 from cases import DOCS, QUESTION
 
-LAYOUT_FREE = ["full", "reuse", "epic", "cacheblend", "infoflow", "prophetkv",
+LAYOUT_FREE = ["full", "reuse", "epic", "cacheblend", "infoflow", "prophetkv", "qcfuse",
                "infoflow:window=0.55/0.65:rows=question", "epic:per_doc=4"]  # the question's own rows as data
 EXTRA = [("extra1", "Dunmore lies on the river Aller, two days by coach from Carvel and its old university."),
          ("extra2", "The Helder range is volcanic; its slopes hold three observatories and a small ski resort.")]
@@ -104,5 +104,57 @@ def test_ineligible_requests_take_the_exact_path(engines):
     runs = eng.runner.layout.eager_runs
     eng.generate(QUESTION, DOCS, strategy="cacheblend", recompute_ratio=0.2, max_new_tokens=2,
                  strategy_options={"gradual": True})  # several check layers: not layout-free
-    eng.generate(QUESTION, DOCS, strategy="qcfuse", recompute_ratio=0.2, max_new_tokens=2)
+    eng.generate(QUESTION, DOCS, strategy="sift", max_new_tokens=2)  # its sparse plan is per request
     assert eng.runner.layout.eager_runs == runs
+
+
+@pytest.fixture(scope="module")
+def anchored():
+    """Engines whose caches carry qcfuse's anchors (so its probe sees a compressed view)."""
+    import fixtures
+
+    model, tok, info = fixtures.load_tiny("llama", dtype=torch.float32)
+    made = {flag: fixtures.engine_from(model, tok, info, kv_tier="pool", bucketed_prefill=flag, disk_budget_bytes=0)
+            for flag in (True, False)}
+    for e in made.values():
+        e.precompute(DOCS + EXTRA, strategy="qcfuse")
+    yield made
+    for e in made.values():
+        e.close()
+
+
+@pytest.mark.parametrize("docs", [DOCS, [EXTRA[0], *DOCS, EXTRA[1]]], ids=["3docs", "5docs"])
+def test_qcfuse_compressed_view_as_data_equals_exact_size(anchored, docs):
+    """qcfuse's probe attends to the prefix, the anchors and the question only: in the bucketed path that view is
+    data (padded to its own bucket); choice, logits and decode K/V match the exact-size path's."""
+    bucketed, exact = anchored[True], anchored[False]
+    strat = make_strategy("qcfuse")
+    layout, segs, _ = bucketed._prepare(QUESTION, as_documents(docs), strat)
+    plan = bucketed.runner.plan(layout.n, segs, strat)
+    h = bucketed.runner.layout.plan(plan, layout.ids, strat, 0.3)
+    assert h is not None and h.kind == "probe" and 0 < h.vb
+    view = h.packed[-h.vb:]
+    assert 0 < int((view >= 0).sum()) < layout.n  # compressed: some document keys are left out
+    runs = bucketed.runner.layout.eager_runs
+    layout, out, seq = _prefill(bucketed, QUESTION, docs, "qcfuse", 0.3)
+    assert bucketed.runner.layout.eager_runs == runs + 1
+    _, ref, ref_seq = _prefill(exact, QUESTION, docs, "qcfuse", 0.3)
+    assert out.recomputed.tolist() == ref.recomputed.tolist()
+    torch.testing.assert_close(out.logits, ref.logits, rtol=0, atol=2e-5)
+    pool, ref_pool = bucketed.decoding.arena.pool, exact.decoding.arena.pool
+    for i in (0, pool.k.shape[0] - 1):
+        torch.testing.assert_close(pool.k[i][seq.row_map[:layout.n]], ref_pool.k[i][ref_seq.row_map[:layout.n]],
+                                   rtol=0, atol=2e-5)
+    bucketed.decoding.close(seq)
+    exact.decoding.close(ref_seq)
+
+
+def test_qcfuse_view_changes_its_choice(anchored):
+    """The view is not decoration: with every key in view (full_view) the probe's states, hence its choice or
+    logits, differ from the compressed probe's on the same layout."""
+    eng = anchored[True]
+    a = eng.generate(QUESTION, DOCS, strategy="qcfuse", recompute_ratio=0.3, max_new_tokens=1, return_logprobs=True)
+    b = eng.generate(QUESTION, DOCS, strategy="qcfuse", recompute_ratio=0.3, max_new_tokens=1, return_logprobs=True,
+                     strategy_options={"full_view": True})
+    assert a.recomputed_positions != b.recomputed_positions or not torch.equal(
+        a.extra["logprobs"], b.extra["logprobs"])

@@ -42,7 +42,7 @@ def test_graphs_and_tiers_match_eager(family, strategy, ratio):
     assert a.token_ids == b.token_ids
 
 
-@pytest.mark.parametrize("strategy", ["full", "reuse", "epic", "cacheblend", "infoflow", "prophetkv"])
+@pytest.mark.parametrize("strategy", ["full", "reuse", "epic", "cacheblend", "infoflow", "prophetkv", "qcfuse"])
 def test_bucket_graphs_serve_new_layouts_like_eager(strategy):
     """Never-seen layouts (documents reordered, dropped) that share a shape bucket replay one graph and give the
     tokens of the same padded prefill run eagerly."""
