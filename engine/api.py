@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from .auto import Choice, Front, TtftRate, packaged_front
 from .adapter import AdaptedDecoder, FusionAdapter, load_adapter, merge_into, resolve_adapter
 from .config import EngineConfig, resolve_device, resolve_dtype
 from .diagnose import ContextKV
@@ -111,6 +112,10 @@ class FusionEngine:
             tokenizer=tokenizer_fingerprint or _tokenizer_fingerprint(tokenizer),
             dtype=str(self.dtype), adapter=adapter.digest if adapter is not None else "")
         self.eos_ids = _eos_ids(hf_model, tokenizer)
+        # strategy="auto": the measured front of this model and adapter (None: auto refuses, naming why), and the
+        # full-prefill seconds per token it predicts TTFT with, learned from this engine's requests
+        self.front: Front | None = packaged_front(self.model_name, adapter.digest[:16] if adapter is not None else "")
+        self.ttft_rate = TtftRate()
         sliding = getattr(hf_model.config, "sliding_window", None) if getattr(
             hf_model.config, "use_sliding_window", True) else None
         window = min(self.decoder.spec.max_positions, sliding or 1 << 62)
@@ -345,14 +350,70 @@ class FusionEngine:
             raise ValueError(f"options must be a GenerationOptions, got {type(options).__name__}")
         if chat and options.teacher_ids is not None:
             raise ValueError("teacher_ids is not supported for a chat (score with generate or next_token_logprobs)")
-        strat = options.make_strategy()  # a fresh instance per request (a name), or the one given
+        strat = options.make_strategy()  # a fresh instance per request (a name), or the one given; None: auto
+        auto = None
+        if strat is None:
+            self._check_front()
+            auto = (options.target_fidelity, options.ttft_budget_s)
+            if options.ttft_budget_s is not None and self.ttft_rate.value is None:
+                self.calibrate_ttft()  # before the request is queued (the scheduler thread runs it)
         room = self.context_window - len(self.prompts.prefix_ids) - 1  # beside the prefix and >= 1 question token
         max_new_tokens = check_int(options.max_new_tokens, "max_new_tokens", minimum=1, maximum=room)
         sampler = Sampler(options.temperature, options.top_p, options.seed)
         teacher = None if options.teacher_ids is None else torch.as_tensor(check_token_ids(
             options.teacher_ids, "teacher_ids", self.decoder.spec.vocab, max_len=room), dtype=torch.long)
         return (strat, options.recompute_ratio, max_new_tokens, sampler, list(options.stop), teacher,
-                options.return_logprobs)
+                options.return_logprobs, auto)
+
+    # -- strategy="auto" (engine/auto.py) ---------------------------------------------------------------------
+    def _check_front(self) -> Front:
+        """The front `strategy="auto"` reads; a clear ValueError when this engine has none that describes it."""
+        front = self.front
+        mine = self.adapter.digest[:16] if self.adapter is not None else ""
+        if front is None:
+            raise ValueError(f"strategy 'auto' needs a measured front for {self.model_name!r} with this engine's "
+                             f"adapter ({mine or 'none'}); build one from a kvfuse eval run (kvfuse front "
+                             f"--summary runs/x/summary.csv ...) and set engine.front = Front.load(path)")
+        if front.adapter != mine:
+            raise ValueError(f"the front of {front.model!r} was measured with adapter {front.adapter or 'none'}, "
+                             f"this engine runs {mine or 'none'}: its figures do not describe this engine")
+        if not front.usable(self.device.type)[1:]:
+            raise ValueError(f"the front of {front.model!r} has no relative TTFT for {self.device.type!r} devices")
+        return front
+
+    def choose_auto(self, prompt_tokens: int, target_fidelity: float | None = None,
+                    ttft_budget_s: float | None = None) -> Choice:
+        """What `strategy="auto"` picks for a prompt of `prompt_tokens` tokens (see engine/auto.py)."""
+        front = self._check_front()
+        return front.choose(self.device.type, target_fidelity=target_fidelity, ttft_budget_s=ttft_budget_s,
+                            full_ttft_s=self.ttft_rate.predict_full(prompt_tokens))
+
+    def observe_ttft(self, strategy: str, ratio: float, prefill_s: float, prompt_tokens: int) -> None:
+        """Feeds one served prefill to the full-prefill rate `auto` predicts TTFT with (ignored when the
+        (strategy, ratio) point is not on the front)."""
+        front = self.front
+        if front is None:
+            return
+        key = (strategy, 1.0 if strategy == "full" else round(float(ratio), 4))
+        point = next((p for p in front.points if p.key == key), None)
+        self.ttft_rate.observe(prefill_s, prompt_tokens, None if point is None else point.rel(self.device.type))
+
+    def calibrate_ttft(self, tokens: int = 256) -> float:
+        """Times a short full prefill of `tokens` synthetic tokens (twice; the second counts) and seeds the rate
+        `auto` predicts TTFT with. Returns the measured seconds per token."""
+        n = max(16, min(int(tokens), self.context_window // 2))
+        ids = torch.arange(n, dtype=torch.long) % max(1, self.decoder.spec.vocab - 1) + 1
+        full = make_strategy("full")
+        with self.scheduler.exclusive(), _on_device(self.device):
+            ids = ids.to(self.device)
+            for _ in range(2):
+                t0 = time.perf_counter()
+                self.runner.prefill(ids, [Segment(0, n, None, selectable=False)], full, 1.0)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                seconds = time.perf_counter() - t0
+        self.ttft_rate.observe(seconds, n, 1.0)
+        return seconds / n
 
     def _question(self, question: Any, question_ids: Any) -> str | list[int]:
         """The request's question: its text, or the prompt tail's token ids (checked against the vocabulary)."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Any
 
+from .auto import AUTO
 from .fusion import DEFAULT_STRATEGY
 from .fusion.base import Strategy
 from .validate import (check_bool, check_int, check_real, check_seed, check_stop, check_strategy,
@@ -50,6 +51,11 @@ class GenerationOptions:
             log-probabilities of the answer's positions, re-scored after decoding from the same prefill.
         strategy_options: keyword arguments of the strategy's constructor (e.g. `{"gradual": True}` for
             cacheblend, `{"reorder": True}` for infoflow); a read-only mapping.
+        target_fidelity: with strategy "auto" (engine/auto.py): the fastest point of the model's measured front
+            whose fidelity to full prefill is >= this, in (0, 1]; full prefill when none is.
+        ttft_budget_s: with strategy "auto": the most faithful point whose predicted TTFT is <= this many seconds
+            (> 0); the fastest when none fits. At most one of the two; with neither, "auto" is the front's default
+            point. "auto" ignores `recompute_ratio` (the point sets it) and takes no strategy options.
     """
 
     strategy: str | Strategy = DEFAULT_STRATEGY
@@ -62,6 +68,8 @@ class GenerationOptions:
     teacher_ids: tuple[int, ...] | None = None
     return_logprobs: bool = False
     strategy_options: Mapping[str, Any] = field(default_factory=dict)
+    target_fidelity: float | None = None
+    ttft_budget_s: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.strategy_options, Mapping):
@@ -71,7 +79,23 @@ class GenerationOptions:
         bad = [k for k in opts if not isinstance(k, str) or not k.isidentifier()]
         if bad:
             raise ValueError(f"strategy_options keys must be keyword names, got {bad[0]!r}")
-        check_strategy(self.strategy, opts)  # a wrong type, an unknown name or bad options
+        auto = self.strategy == AUTO
+        if auto and opts:
+            raise ValueError(f"strategy 'auto' takes no strategy options, got {sorted(opts)}")
+        if not auto:
+            check_strategy(self.strategy, opts)  # a wrong type, an unknown name or bad options
+        for name in ("target_fidelity", "ttft_budget_s"):
+            if getattr(self, name) is not None and not auto:
+                raise ValueError(f"{name} is an option of strategy 'auto' (this request's strategy is "
+                                 f"{self.strategy_name!r})")
+        if self.target_fidelity is not None and self.ttft_budget_s is not None:
+            raise ValueError("give target_fidelity or ttft_budget_s, not both")
+        if self.target_fidelity is not None:
+            object.__setattr__(self, "target_fidelity", check_real(self.target_fidelity, "target_fidelity",
+                                                                   low=0.0, high=1.0, low_open=True))
+        if self.ttft_budget_s is not None:
+            object.__setattr__(self, "ttft_budget_s", check_real(self.ttft_budget_s, "ttft_budget_s", low=0.0,
+                                                                 low_open=True))
         set_ = object.__setattr__
         set_(self, "strategy_options", MappingProxyType(opts))
         set_(self, "recompute_ratio", check_real(self.recompute_ratio, "recompute_ratio", low=0.0, high=1.0))
@@ -118,8 +142,11 @@ class GenerationOptions:
         """The strategy's registered name."""
         return self.strategy if isinstance(self.strategy, str) else self.strategy.name
 
-    def make_strategy(self) -> Strategy:
-        """A strategy for one request: a new instance for a name (with `strategy_options`), else the instance."""
+    def make_strategy(self) -> Strategy | None:
+        """A strategy for one request: a new instance for a name (with `strategy_options`), else the instance;
+        None for "auto" (the engine picks per request)."""
+        if self.strategy == AUTO:
+            return None
         return check_strategy(self.strategy, dict(self.strategy_options))
 
     def as_kwargs(self) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 import torch
 
+from .fusion import make_strategy
 from .tracing import set_attributes, span
 from .types import EngineOverloaded, GenerationResult
 
@@ -51,11 +52,13 @@ class Request:
     """
 
     def __init__(self, engine, question: str, docs: list, messages: list | None, strat, ratio: float, max_new: int,
-                 sampler, stop: list[str], teacher: torch.Tensor | None, return_logprobs: bool) -> None:
+                 sampler, stop: list[str], teacher: torch.Tensor | None, return_logprobs: bool,
+                 auto: tuple | None = None) -> None:
         self.engine = engine
         self.question, self.docs, self.messages = question, docs, messages
         self.strat, self.ratio, self.max_new, self.sampler = strat, ratio, max_new, sampler
         self.stop, self.teacher, self.return_logprobs = stop, teacher, return_logprobs
+        self.auto = auto  # strategy="auto": (target_fidelity, ttft_budget_s); the strategy is picked at start
         self.cancel = threading.Event()
         self.sink: Callable[[tuple[str, Any]], None] | None = None
         self.t_call = time.perf_counter()
@@ -68,8 +71,26 @@ class Request:
         self.extra: dict[str, Any] = {}
 
     # -- phases (scheduler thread) ------------------------------------------------------------------------------
+    def _choose(self) -> None:
+        """strategy="auto": the front's point for this prompt's size (engine/auto.py)."""
+        eng = self.engine
+        if self.messages is None:
+            lengths = [len(ids) for ids in eng._encode_documents(self.docs)]  # memoised: _prepare reuses them
+            tail = (len(self.question) if isinstance(self.question, list)
+                    else len(eng.prompts.encode_tail(self.question)))
+            n = len(eng.prompts.prefix_ids) + sum(lengths) + tail
+        else:
+            n = len(eng.prompts.prefix_ids) + sum(len(eng.tokenizer.encode(m["content"], add_special_tokens=False))
+                                                  for m in self.messages)
+        choice = eng.choose_auto(n, *self.auto)
+        self.strat = make_strategy(choice.strategy)
+        self.ratio = choice.ratio
+        self.extra["auto"] = choice.as_dict()
+
     def start(self, decoding) -> bool:
         """Prefill and first token. Returns whether the request goes on decoding. Raises _NoRoom to wait."""
+        if self.auto is not None and self.strat is None:
+            self._choose()
         eng, strat = self.engine, self.strat
         store = eng.store
         self.t_start = time.perf_counter()
@@ -110,6 +131,7 @@ class Request:
                            cache_misses=after.misses - before.misses, queue_s=self.t_start - self.t_call,
                            ttft_s=self.t_first - self.t_call)
         self.layout, self.miss_s, self.stats = layout, miss_s, (before, after)
+        eng.observe_ttft(strat.name, self.ratio, self.t_first - self.t_prefill, layout.n)
         self.selection_s = out.selection_s + reorder_s
         if getattr(strat, "report", None):  # e.g. sift's indexes and attention density
             self.extra[strat.name] = dict(strat.report)

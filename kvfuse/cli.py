@@ -493,6 +493,39 @@ def cmd_train_adapter(args) -> int:
     return 0
 
 
+def cmd_front(args) -> int:
+    """Builds a measured front (strategy="auto") from a kvfuse eval summary and TTFT sources."""
+    from kvfuse.engine.auto import build_front
+
+    rel = {}
+    for item in args.rel:
+        dev, sep, src = item.partition("=")
+        if not sep or not dev or not src:
+            raise CliError(f"--rel takes DEVICE=SOURCE (e.g. cpu=runs/x/summary.csv), got {item!r}")
+        rel[dev] = src
+    if not rel:
+        raise CliError("give at least one --rel DEVICE=SOURCE (where the relative TTFT comes from)")
+    name, _, ratio = args.default.partition("@")
+    try:
+        default = (name, float(ratio) if ratio else 0.15)
+    except ValueError:
+        raise CliError(f"--default takes STRATEGY@RATIO, got {args.default!r}") from None
+    adapter = args.adapter
+    if adapter not in ("", "none") and len(adapter) != 16:
+        from kvfuse.engine.adapter import load_adapter, resolve_adapter
+
+        path = resolve_adapter(adapter, args.model)
+        adapter = load_adapter(path).digest[:16] if path is not None else ""
+    front = build_front(args.quality, rel, model=args.model, adapter="" if adapter == "none" else adapter,
+                        default=default, datasets=args.datasets.split(",") if args.datasets else None)
+    front.save(args.out)
+    for p in front.points:
+        rels = ", ".join(f"{d} {r:.3f}" for d, r in sorted(p.rel_ttft.items()))
+        print(f"{p.strategy:>12} @ {p.ratio:<5g} fidelity {p.fidelity:.3f}  relative TTFT {rels or '1'}")
+    print(f"wrote {args.out} (model {front.model}, adapter {front.adapter or 'none'}, default {front.default})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvfuse", description="Fast RAG answers from fused per-document KV caches.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -611,6 +644,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="the adapter file to write (.safetensors; a .json record beside it)")
     _add_model_args(p)
     p.set_defaults(func=cmd_train_adapter)
+
+    p = sub.add_parser("front", help="build the measured quality/TTFT front strategy='auto' reads, from a kvfuse "
+                                      "eval summary and TTFT sources")
+    p.add_argument("--quality", required=True, help="a kvfuse eval summary.csv (or summary.md): fidelity and KL")
+    p.add_argument("--rel", action="append", default=[], metavar="DEVICE=SOURCE",
+                   help="relative TTFT for a device type (cpu, cuda): an eval summary measured there, or a "
+                        "benchmarks/ttft.py CSV as FILE.csv:SHAPE:CONTEXT (its first-sight rows); repeatable")
+    p.add_argument("--model", required=True, help="the registry model name the front describes")
+    p.add_argument("--adapter", default="none", help="the adapter it was measured with: none, packaged, a "
+                                                     ".safetensors file or a 16-hex digest prefix")
+    p.add_argument("--datasets", default="", help="comma list of datasets to average over (default: all)")
+    p.add_argument("--default", default="infoflow@0.15", help="the point auto takes with no target (STRATEGY@RATIO)")
+    p.add_argument("--out", required=True, help="the front's JSON file")
+    p.set_defaults(func=cmd_front)
 
     try:
         from kvfuse.evaluation.cli import add_eval_parser, run_eval

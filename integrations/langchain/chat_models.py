@@ -381,14 +381,14 @@ class ChatKVFuse(BaseChatModel):
         if not self.model_name:
             self.model_name = str(self.engine.model_name)
         if self.model_kwargs:
-            from kvfuse.engine.validate import check_strategy
+            from kvfuse.engine.options import GenerationOptions
 
             shadowed = sorted(k for k in self.model_kwargs if k in type(self).model_fields or k in (
                 "max_new_tokens", "documents", "messages", "return_logprobs", "teacher_ids"))
             if shadowed:
                 raise ValueError(f"ChatKVFuse model_kwargs {shadowed}: set these as ChatKVFuse settings or per "
                                  "call, not in model_kwargs (which holds fusion strategy options)")
-            check_strategy(self.strategy, dict(self.model_kwargs))  # a ValueError naming the bad option
+            GenerationOptions.from_kwargs(strategy=self.strategy, **self.model_kwargs)  # a ValueError naming it
         if self.streaming and self.n > 1:
             raise ValueError("ChatKVFuse: streaming=True needs n=1 (n generations are not streamed)")
         return self

@@ -265,6 +265,7 @@ class FusionLLM(CustomLLM):
 
     def _check_generate_kwargs(self) -> None:
         """Splits `generate_kwargs` into generation settings and strategy options, checking both."""
+        from kvfuse.engine.options import GenerationOptions
         from kvfuse.engine.validate import check_strategy
 
         generation, options = {}, {}
@@ -285,7 +286,10 @@ class FusionLLM(CustomLLM):
                 options[key] = value
         strategy = generation.get("strategy", self.strategy)
         try:
-            check_strategy(strategy, options)
+            if strategy == "auto":  # its targets (target_fidelity, ttft_budget_s) are generation options
+                GenerationOptions.from_kwargs(strategy=strategy, **options)
+            else:
+                check_strategy(strategy, options)
         except ValueError as e:
             raise ValueError(f"FusionLLM generate_kwargs {sorted(options)}: not generation options "
                              f"({', '.join(CALL_OPTIONS)}) nor valid options of the strategy: {e}") from None

@@ -217,3 +217,18 @@ def test_sift_indexes_ride_in_document_metadata_through_a_vector_store(tiny_mode
     finally:
         ingest.close()
         serve.close()
+
+
+def test_strategy_auto_through_the_chat_model(tiny_engine):
+    """ChatKVFuse(strategy="auto"): the front's default point, or the fastest meeting a target from model_kwargs."""
+    from kvfuse.engine.auto import Front, FrontPoint
+
+    tiny_engine.front = Front(tiny_engine.model_name, "", (FrontPoint("cacheblend", 0.2, 0.6, None, {"cpu": 0.4}),
+                                                           FrontPoint("epic", 0.2, 0.5, None, {"cpu": 0.3})),
+                              ("cacheblend", 0.2))
+    default = ChatKVFuse(engine=tiny_engine, max_tokens=3, strategy="auto").invoke("When?", documents=DOCS)
+    assert default.response_metadata["kvfuse"]["strategy"] == "cacheblend"
+    fast = ChatKVFuse(engine=tiny_engine, max_tokens=3, strategy="auto", model_kwargs={"target_fidelity": 0.45})
+    assert fast.invoke("When?", documents=DOCS).response_metadata["kvfuse"]["strategy"] == "epic"
+    with pytest.raises(ValueError):
+        ChatKVFuse(engine=tiny_engine, strategy="auto", model_kwargs={"gradual": True})

@@ -286,3 +286,17 @@ def test_bad_strategy_fails_at_call_time(tiny_engine):
     llm = FusionLLM(engine=tiny_engine)
     with pytest.raises(ValueError):
         llm.stream_complete("a?", strategy="no-such-strategy")
+
+
+def test_strategy_auto_through_the_llm(tiny_engine):
+    """strategy="auto" with a fidelity target (a generation option in generate_kwargs): the engine's front picks."""
+    from kvfuse.engine.auto import Front, FrontPoint
+
+    tiny_engine.front = Front(tiny_engine.model_name, "", (FrontPoint("cacheblend", 0.2, 0.6, None, {"cpu": 0.4}),
+                                                           FrontPoint("epic", 0.2, 0.5, None, {"cpu": 0.3})),
+                              ("cacheblend", 0.2))
+    llm = FusionLLM(engine=tiny_engine, max_new_tokens=3, strategy="auto", generate_kwargs={"target_fidelity": 0.55})
+    stats = llm.complete("When was the observatory built?", documents=_nodes()).additional_kwargs
+    assert (stats["strategy"], stats["generation_result"].extra["auto"]["ratio"]) == ("cacheblend", 0.2)
+    with pytest.raises(ValueError, match="target_fidelity"):
+        FusionLLM(engine=tiny_engine, strategy="auto", generate_kwargs={"target_fidelity": 2.0})

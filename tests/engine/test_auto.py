@@ -1,0 +1,166 @@
+"""strategy="auto": choices from a measured front, fronts as validated JSON, and the engine serving the choice."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from cases import DOCS, QUESTION
+
+from kvfuse.engine.auto import Front, FrontPoint, TtftRate, build_front, packaged_front, rel_ttft_from
+from kvfuse.engine.options import GenerationOptions
+
+POINTS = (FrontPoint("reuse", 0.0, 0.45, 0.41, {"cpu": 0.1, "cuda": 0.25}),
+          FrontPoint("cacheblend", 0.15, 0.55, 0.3, {"cpu": 0.35, "cuda": 0.57}),
+          FrontPoint("infoflow", 0.15, 0.67, 0.14, {"cpu": 0.43, "cuda": 0.58}),
+          FrontPoint("infoflow", 0.3, 0.80, 0.08, {"cpu": 0.6}))  # not measured on cuda: unusable there
+
+
+def front(adapter: str = "") -> Front:
+    return Front("m", adapter, POINTS, ("infoflow", 0.15), "test")
+
+
+def test_a_fidelity_target_takes_the_fastest_point_meeting_it():
+    f = front()
+    assert (f.choose("cpu", target_fidelity=0.5).strategy, f.choose("cpu", target_fidelity=0.5).ratio) == (
+        "cacheblend", 0.15)
+    c = f.choose("cpu", target_fidelity=0.7)
+    assert (c.strategy, c.ratio) == ("infoflow", 0.3)
+    assert f.choose("cuda", target_fidelity=0.7).strategy == "full"  # the 0.3 point has no cuda TTFT
+    assert f.choose("cpu", target_fidelity=0.95).strategy == "full"
+    assert f.choose("cpu", target_fidelity=0.1).strategy == "reuse"
+
+
+def test_a_budget_takes_the_most_faithful_point_predicted_within_it():
+    f = front()
+    c = f.choose("cpu", ttft_budget_s=0.5, full_ttft_s=1.0)  # within 0.5: reuse, cacheblend, infoflow@15%
+    assert (c.strategy, c.ratio, c.budget_met) == ("infoflow", 0.15, True)
+    assert c.predicted_ttft_s == pytest.approx(0.43)
+    assert f.choose("cpu", ttft_budget_s=2.0, full_ttft_s=1.0).strategy == "full"
+    c = f.choose("cpu", ttft_budget_s=0.01, full_ttft_s=1.0)  # nothing fits: the fastest, flagged
+    assert (c.strategy, c.budget_met) == ("reuse", False)
+    with pytest.raises(ValueError, match="estimate"):
+        f.choose("cpu", ttft_budget_s=1.0)
+    d = f.choose("cpu")
+    assert (d.strategy, d.ratio) == ("infoflow", 0.15)
+
+
+def test_fronts_are_validated_json_that_round_trips(tmp_path):
+    f = front("abcd")
+    p = f.save(tmp_path / "f.json")
+    g = Front.load(p)
+    assert g == f and g.points[0].strategy == "full"
+    data = json.loads(p.read_text())
+    data["points"][0]["fidelity"] = 1.5
+    (tmp_path / "bad.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="fidelity"):
+        Front.load(tmp_path / "bad.json")
+    (tmp_path / "junk.json").write_bytes(b"\x80\x04\x95 not json")  # e.g. a pickle: refused, never loaded
+    with pytest.raises(ValueError, match="JSON"):
+        Front.load(tmp_path / "junk.json")
+    data = json.loads(p.read_text())
+    data["default"] = {"strategy": "epic", "ratio": 0.15}
+    with pytest.raises(ValueError, match="default"):
+        Front.from_json(data)
+
+
+def test_a_front_is_built_from_an_eval_summary_and_a_ttft_csv(tmp_path):
+    head = "dataset,strategy,ratio,n,metric,score,score_lo,score_hi,rel_full_pct,fidelity,fidelity_lo,fidelity_hi,kl,ttft_s\n"
+    rows = ["a,full,1.0,5,f1,.4,0,1,100,1.0,1,1,0.0,2.0", "a,infoflow,0.15,5,f1,.4,0,1,100,0.6,0,1,0.2,1.0",
+            "b,full,1.0,5,f1,.4,0,1,100,1.0,1,1,0.0,4.0", "b,infoflow,0.15,5,f1,.4,0,1,100,0.8,0,1,0.1,1.0",
+            "a,epic,0.15,5,f1,.4,0,1,100,0.5,0,1,0.3,0.5"]  # epic only on a: left out of the macro front
+    (tmp_path / "summary.csv").write_text(head + "\n".join(rows) + "\n")
+    (tmp_path / "ttft.csv").write_text(
+        "shape,context,row,tier,ttft_ms\ns,8192,HF SDPA full,-,30\ns,8192,kvfuse full first-sight,pool,20\n"
+        "s,8192,kvfuse infoflow@15% first-sight,pool,12\ns,2048,kvfuse full first-sight,pool,5\n")
+    assert rel_ttft_from(f"{tmp_path / 'ttft.csv'}:s:8192") == {("infoflow", 0.15): pytest.approx(0.6)}
+    f = build_front(tmp_path / "summary.csv", {"cpu": str(tmp_path / "summary.csv"),
+                                               "cuda": f"{tmp_path / 'ttft.csv'}:s:8192"},
+                    model="m", adapter="", default=("infoflow", 0.15))
+    (p,) = [p for p in f.points if p.strategy != "full"]
+    assert (p.strategy, p.ratio) == ("infoflow", 0.15)
+    assert p.fidelity == pytest.approx(0.7) and p.kl == pytest.approx(0.15)
+    assert p.rel_ttft["cpu"] == pytest.approx((0.5 + 0.25) / 2) and p.rel_ttft["cuda"] == pytest.approx(0.6)
+
+
+def test_the_packaged_fronts_describe_the_shipped_adapter_and_none():
+    from importlib.resources import files
+
+    from kvfuse.engine.adapter import load_adapter
+
+    digest = load_adapter(files("kvfuse").joinpath("data/adapters/qwen2.5-coder-0.5b.safetensors")).digest[:16]
+    with_adapter = packaged_front("qwen2.5-coder-0.5b", digest)
+    without = packaged_front("qwen2.5-coder-0.5b", "")
+    assert with_adapter is not None and without is not None and with_adapter != without
+    assert packaged_front("qwen2.5-coder-0.5b", "0" * 16) is None and packaged_front("smollm2-135m", "") is None
+    for f in (with_adapter, without):
+        assert f.default == ("infoflow", 0.15)
+        assert {"cpu", "cuda"} <= {d for p in f.points for d in p.rel_ttft}
+
+
+def test_options_take_auto_targets_only_with_auto():
+    o = GenerationOptions(strategy="auto", target_fidelity=0.8)
+    assert o.make_strategy() is None and o.target_fidelity == 0.8
+    for bad, match in ((dict(target_fidelity=0.8), "option of strategy 'auto'"),
+                       (dict(strategy="auto", target_fidelity=0.8, ttft_budget_s=1.0), "not both"),
+                       (dict(strategy="auto", target_fidelity=1.5), "target_fidelity"),
+                       (dict(strategy="auto", ttft_budget_s=0.0), "ttft_budget_s"),
+                       (dict(strategy="auto", strategy_options={"gradual": True}), "no strategy options")):
+        with pytest.raises(ValueError, match=match):
+            GenerationOptions(**bad)
+
+
+def test_the_rate_is_a_moving_average_of_full_equivalent_seconds_per_token():
+    r = TtftRate(weight=0.5)
+    assert r.predict_full(100) is None
+    r.observe(1.0, 100, 1.0)      # full: 0.01 s/token
+    r.observe(0.5, 100, 0.25)     # a point 4x cheaper than full: 0.02 s/token full-equivalent
+    r.observe(9.0, 100, None)     # not on the front: ignored
+    assert r.value == pytest.approx(0.015) and r.samples == 2
+    assert r.predict_full(200) == pytest.approx(3.0)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    import fixtures
+
+    model, tok, info = fixtures.load_tiny("llama", dtype=torch.float32)
+    e = fixtures.engine_from(model, tok, info, disk_budget_bytes=0)
+    e.precompute(DOCS)
+    yield e
+    e.close()
+
+
+def test_an_engine_without_a_matching_front_refuses_auto_before_any_work(engine):
+    engine.front = None
+    misses = engine.store.snapshot().misses
+    with pytest.raises(ValueError, match="measured front"):
+        engine.generate(QUESTION, [("new", "A document never seen before.")], strategy="auto")
+    engine.front = front("0123456789abcdef")  # measured with another adapter
+    with pytest.raises(ValueError, match="adapter"):
+        engine.generate(QUESTION, DOCS, strategy="auto", target_fidelity=0.5)
+    assert engine.store.snapshot().misses == misses  # nothing was computed
+
+
+def test_auto_serves_the_chosen_point_exactly_as_naming_it(engine):
+    engine.front = front()
+    r = engine.generate(QUESTION, DOCS, strategy="auto", target_fidelity=0.5, max_new_tokens=6)
+    assert (r.strategy, r.recompute_ratio) == ("cacheblend", 0.15)
+    assert r.extra["auto"]["strategy"] == "cacheblend" and r.extra["auto"]["fidelity"] == 0.55
+    named = engine.generate(QUESTION, DOCS, strategy="cacheblend", recompute_ratio=0.15, max_new_tokens=6)
+    assert r.token_ids == named.token_ids and r.recomputed_positions == named.recomputed_positions
+    r = engine.generate(QUESTION, DOCS, strategy="auto", target_fidelity=0.99, max_new_tokens=6)
+    full = engine.generate(QUESTION, DOCS, strategy="full", max_new_tokens=6)
+    assert r.strategy == "full" and r.token_ids == full.token_ids
+
+
+def test_auto_with_a_budget_predicts_from_the_engines_own_rate(engine):
+    engine.front = front()
+    engine.ttft_rate = TtftRate()
+    r = engine.generate(QUESTION, DOCS, strategy="auto", ttft_budget_s=1e-9, max_new_tokens=2)
+    assert engine.ttft_rate.samples >= 2  # calibrated before the request, then fed by it
+    assert (r.strategy, r.extra["auto"]["budget_met"]) == ("reuse", False)
+    r = engine.generate(QUESTION, DOCS, strategy="auto", ttft_budget_s=3600.0, max_new_tokens=2)
+    assert (r.strategy, r.extra["auto"]["budget_met"]) == ("full", True)
+    pred = engine.choose_auto(r.prompt_tokens, ttft_budget_s=3600.0).predicted_ttft_s
+    assert pred == pytest.approx(engine.ttft_rate.value * r.prompt_tokens)
