@@ -164,3 +164,22 @@ def test_auto_with_a_budget_predicts_from_the_engines_own_rate(engine):
     assert (r.strategy, r.extra["auto"]["budget_met"]) == ("full", True)
     pred = engine.choose_auto(r.prompt_tokens, ttft_budget_s=3600.0).predicted_ttft_s
     assert pred == pytest.approx(engine.ttft_rate.value * r.prompt_tokens)
+
+
+@pytest.mark.parametrize("adapter, quality, name", [
+    ("packaged", "docs/quality/adapter_gpu/offline_c_summary.md", "qwen2.5-coder-0.5b.json"),
+    ("none", "docs/quality/q60/summary.csv", "qwen2.5-coder-0.5b.none.json")])
+def test_the_shipped_fronts_are_rebuilt_by_kvfuse_front_from_committed_measurements(tmp_path, adapter, quality, name):
+    from pathlib import Path
+
+    from kvfuse.cli import main
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / name
+    rc = main(["front", "--quality", str(root / quality), "--rel", f"cpu={root / 'docs/quality/q60/summary.csv'}",
+               "--rel", f"cuda={root / 'docs/gpu/ttft_first_sight_packed.csv'}:qwen05b:8192",
+               "--model", "qwen2.5-coder-0.5b", "--adapter", adapter, "--out", str(out)])
+    assert rc == 0
+    built, shipped = Front.load(out), Front.load(root / "kvfuse/data/fronts" / name)
+    assert (built.model, built.adapter, built.points, built.default) == (
+        shipped.model, shipped.adapter, shipped.points, shipped.default)
