@@ -40,15 +40,22 @@ def test_bucket_sizes():
     assert [bucket_size(x, 4, 16) for x in (1, 16, 17, 33, 100, 1300)] == [16, 16, 20, 40, 112, 1536]
 
 
-@pytest.fixture(scope="module")
-def engines():
+def _engine_pair(strategy=None):
+    """{True: bucketed, False: exact-size} engines over one tiny model, DOCS + EXTRA precomputed (with the offline
+    data `strategy` reads)."""
     import fixtures
 
     model, tok, info = fixtures.load_tiny("llama", dtype=torch.float32)
     made = {flag: fixtures.engine_from(model, tok, info, kv_tier="pool", bucketed_prefill=flag, disk_budget_bytes=0)
             for flag in (True, False)}
     for e in made.values():
-        e.precompute(DOCS + EXTRA)
+        e.precompute(DOCS + EXTRA, strategy=strategy)
+    return made
+
+
+@pytest.fixture(scope="module")
+def engines():
+    made = _engine_pair()
     yield made
     for e in made.values():
         e.close()
@@ -111,13 +118,7 @@ def test_ineligible_requests_take_the_exact_path(engines):
 @pytest.fixture(scope="module")
 def anchored():
     """Engines whose caches carry qcfuse's anchors (so its probe sees a compressed view)."""
-    import fixtures
-
-    model, tok, info = fixtures.load_tiny("llama", dtype=torch.float32)
-    made = {flag: fixtures.engine_from(model, tok, info, kv_tier="pool", bucketed_prefill=flag, disk_budget_bytes=0)
-            for flag in (True, False)}
-    for e in made.values():
-        e.precompute(DOCS + EXTRA, strategy="qcfuse")
+    made = _engine_pair("qcfuse")
     yield made
     for e in made.values():
         e.close()
