@@ -30,7 +30,8 @@ __all__ = ["RemoteEngine", "RemoteResult", "RemoteError", "RemoteOverloaded"]
 
 #: engine keywords a server request can carry (their OpenAI names where they differ)
 _BODY_NAMES = {"strategy": "strategy", "recompute_ratio": "recompute_ratio", "max_new_tokens": "max_tokens",
-               "temperature": "temperature", "top_p": "top_p", "seed": "seed", "stop": "stop"}
+               "temperature": "temperature", "top_p": "top_p", "seed": "seed", "stop": "stop",
+               "target_fidelity": "target_fidelity", "ttft_budget_s": "ttft_budget_s"}
 
 
 class RemoteError(ValueError):

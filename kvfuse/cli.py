@@ -387,8 +387,15 @@ def cmd_serve(args) -> int:
     api_key = args.api_key if args.api_key is not None else os.environ.get("KVFUSE_API_KEY") or None
     docs = _load_docs(args.documents) if args.documents else []
     _check_model_args(args)
+    front = None
+    if args.front:
+        from kvfuse.engine.auto import Front
+
+        front = Front.load(args.front)  # checked before the model loads
     print(f"kvfuse: loading {args.model} ...", file=sys.stderr, flush=True)
     engine = _engine(args)
+    if front is not None:
+        engine.front = front
     if docs:
         rep = engine.precompute(docs)
         print(f"kvfuse: {len(docs)} documents: {rep.misses} computed, {rep.hits} already cached", file=sys.stderr,
@@ -583,6 +590,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-budget", default=None,
                    help="bytes of document caches kept in memory, e.g. 512M or 40G (default 4G)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--front", default=None, help="a measured front (kvfuse front) for strategy 'auto', instead of "
+                                                "the one shipped for the model")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("route", help="one OpenAI-compatible front over several `kvfuse serve` replicas, routing each "

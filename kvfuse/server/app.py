@@ -169,7 +169,8 @@ def _extension(result) -> dict[str, Any]:
             "selection_s": result.selection_s, "miss_prefill_s": result.miss_prefill_s,
             "prompt_tokens": result.prompt_tokens, "doc_tokens": result.doc_tokens,
             "question_tokens": result.question_tokens, "recomputed_tokens": result.recomputed_tokens,
-            "finish_reason": result.finish_reason, "documents": list(result.extra.get("documents", []))}
+            "finish_reason": result.finish_reason, "documents": list(result.extra.get("documents", [])),
+            **({"auto": result.extra["auto"]} if "auto" in result.extra else {})}
 
 
 def _finish(result) -> str:

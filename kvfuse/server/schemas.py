@@ -2,7 +2,8 @@
 
 Fields OpenAI defines but the engine cannot honour are refused with a 400 naming them (never silently ignored
 when they would change the answer); fields that do not change the answer (`user`, `store`, `metadata`, ...) are
-accepted and ignored. kvfuse's own fields: `documents`, `strategy`, `recompute_ratio`.
+accepted and ignored. kvfuse's own fields: `documents`, `strategy`, `recompute_ratio`, and with strategy "auto"
+`target_fidelity` or `ttft_budget_s`.
 """
 from __future__ import annotations
 
@@ -48,6 +49,8 @@ class _Request(BaseModel):
     documents: list[Any] | None = None  # DocumentIn objects, or ids (str) of documents registered before
     strategy: str | None = None
     recompute_ratio: float | None = None
+    target_fidelity: float | None = None  # with strategy "auto"
+    ttft_budget_s: float | None = None  # with strategy "auto"
 
     # fields that would change the answer and that this server does not implement
     _unsupported: tuple[str, ...] = ()
@@ -159,6 +162,9 @@ def engine_options(req: _Request, default_max_tokens: int) -> dict[str, Any]:
         opts["strategy"] = req.strategy
     if req.recompute_ratio is not None:
         opts["recompute_ratio"] = req.recompute_ratio
+    for name in ("target_fidelity", "ttft_budget_s"):
+        if getattr(req, name) is not None:
+            opts[name] = getattr(req, name)
     return opts
 
 

@@ -39,6 +39,8 @@ def _chat(server, **fields):
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tools"),
     ({"strategy": "nonesuch"}, None, "nonesuch"),
     ({"recompute_ratio": 2}, None, "recompute_ratio"),
+    ({"strategy": "auto"}, None, "measured front"),  # this server was started without one
+    ({"target_fidelity": 0.8}, None, "option of strategy 'auto'"),
     ({"documents": [{"id": "x", "text": ""}]}, "documents[0]", "empty"),
     ({"documents": [{"id": "x"}]}, "documents[0]", "text: Field required"),
     ({"documents": [7]}, "documents[0]", "got int"),
