@@ -394,7 +394,7 @@ class FusionEngine:
         front = self.front
         if front is None:
             return
-        key = (strategy, 1.0 if strategy == "full" else round(float(ratio), 4))
+        key = (strategy, round(float(ratio), 4))  # the ratio a result reports (1 for full, 0 for reuse)
         point = next((p for p in front.points if p.key == key), None)
         self.ttft_rate.observe(prefill_s, prompt_tokens, None if point is None else point.rel(self.device.type))
 

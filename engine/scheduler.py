@@ -131,7 +131,8 @@ class Request:
                            cache_misses=after.misses - before.misses, queue_s=self.t_start - self.t_call,
                            ttft_s=self.t_first - self.t_call)
         self.layout, self.miss_s, self.stats = layout, miss_s, (before, after)
-        eng.observe_ttft(strat.name, self.ratio, self.t_first - self.t_prefill, layout.n)
+        eng.observe_ttft(strat.name, 1.0 if not strat.uses_cache else (0.0 if strat.ignores_ratio else self.ratio),
+                         self.t_first - self.t_prefill, layout.n)  # the ratio as the result reports it
         self.selection_s = out.selection_s + reorder_s
         if getattr(strat, "report", None):  # e.g. sift's indexes and attention density
             self.extra[strat.name] = dict(strat.report)

@@ -183,3 +183,14 @@ def test_the_shipped_fronts_are_rebuilt_by_kvfuse_front_from_committed_measureme
     built, shipped = Front.load(out), Front.load(root / "kvfuse/data/fronts" / name)
     assert (built.model, built.adapter, built.points, built.default) == (
         shipped.model, shipped.adapter, shipped.points, shipped.default)
+
+
+def test_every_served_point_on_the_front_feeds_the_rate(engine):
+    """reuse reports ratio 0 whatever was asked, full 1: both still count; a point not on the front does not."""
+    engine.front = front()
+    engine.ttft_rate = TtftRate()
+    engine.generate(QUESTION, DOCS, strategy="reuse", recompute_ratio=0.15, max_new_tokens=1)
+    engine.generate(QUESTION, DOCS, strategy="full", max_new_tokens=1)
+    assert engine.ttft_rate.samples == 2
+    engine.generate(QUESTION, DOCS, strategy="epic", recompute_ratio=0.15, max_new_tokens=1)  # not on it
+    assert engine.ttft_rate.samples == 2
