@@ -5,4 +5,4 @@ cd "$(dirname "$0")/.."
 scripts/setup.sh "dev,models,llama-index,langchain,eval,serve,redis,distributed"
 venv="${KVFUSE_VENV:-.venv}"
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-"$venv/bin/python" -m pytest -q -ra "$@"
+"$venv/bin/python" -m pytest -q -ra --durations=25 "$@"
