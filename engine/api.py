@@ -373,7 +373,7 @@ class FusionEngine:
         if front is None:
             raise ValueError(f"strategy 'auto' needs a measured front for {self.model_name!r} with this engine's "
                              f"adapter ({mine or 'none'}); build one from a kvfuse eval run (kvfuse front "
-                             f"--summary runs/x/summary.csv ...) and set engine.front = Front.load(path)")
+                             f"--quality runs/x/summary.csv ...) and set engine.front = Front.load(path)")
         if front.adapter != mine:
             raise ValueError(f"the front of {front.model!r} was measured with adapter {front.adapter or 'none'}, "
                              f"this engine runs {mine or 'none'}: its figures do not describe this engine")

@@ -102,7 +102,7 @@ class Front:
             raise ValueError("a front lists each (strategy, ratio) once")
         full = FrontPoint("full", 1.0, 1.0, 0.0, {})
         object.__setattr__(self, "points", (full, *sorted(pts, key=lambda p: p.key)))
-        d = (str(self.default[0]), round(float(self.default[1]), 4))
+        d = _strategy_key(str(self.default[0]), self.default[1])  # full's ratio is 1 whatever was written
         if d[0] != "full" and d not in keys:
             raise ValueError(f"the front's default {d} is not one of its points")
         object.__setattr__(self, "default", d)
@@ -140,7 +140,7 @@ class Front:
             best = min(pts, key=lambda p: (p.rel(device_type), -p.fidelity))
             return Choice(best.strategy, best.ratio, best.fidelity, predict(best),
                           f"no point predicted within {ttft_budget_s:.3g} s: the fastest", False)
-        best = next(p for p in self.points if p.key == self.default or (p.strategy == "full" == self.default[0]))
+        best = next(p for p in self.points if p.key == self.default)
         return Choice(best.strategy, best.ratio, best.fidelity, predict(best), "the front's default point")
 
     # -- files ------------------------------------------------------------------------------------------------

@@ -71,14 +71,16 @@ class Request:
         self.extra: dict[str, Any] = {}
 
     # -- phases (scheduler thread) ------------------------------------------------------------------------------
-    def _choose(self) -> None:
-        """strategy="auto": the front's point for this prompt's size (engine/auto.py)."""
+    def _choose(self) -> list | None:
+        """strategy="auto": the front's point for this prompt's size (engine/auto.py). Returns the documents'
+        token ids it counted (None for a chat), so the prefill does not encode them again."""
         eng = self.engine
+        doc_ids = None
         if self.messages is None:
-            lengths = [len(ids) for ids in eng._encode_documents(self.docs)]  # memoised: _prepare reuses them
+            doc_ids = eng._encode_documents(self.docs)
             tail = (len(self.question) if isinstance(self.question, list)
                     else len(eng.prompts.encode_tail(self.question)))
-            n = len(eng.prompts.prefix_ids) + sum(lengths) + tail
+            n = len(eng.prompts.prefix_ids) + sum(len(ids) for ids in doc_ids) + tail
         else:
             n = len(eng.prompts.prefix_ids) + sum(len(eng.tokenizer.encode(m["content"], add_special_tokens=False))
                                                   for m in self.messages)
@@ -86,11 +88,11 @@ class Request:
         self.strat = make_strategy(choice.strategy)
         self.ratio = choice.ratio
         self.extra["auto"] = choice.as_dict()
+        return doc_ids
 
     def start(self, decoding) -> bool:
         """Prefill and first token. Returns whether the request goes on decoding. Raises _NoRoom to wait."""
-        if self.auto is not None and self.strat is None:
-            self._choose()
+        doc_ids = self._choose() if self.auto is not None and self.strat is None else None
         eng, strat = self.engine, self.strat
         store = eng.store
         self.t_start = time.perf_counter()
@@ -100,7 +102,8 @@ class Request:
                                 documents=len(self.docs), chat=self.messages is not None) as sp:
             before = store.snapshot()
             if self.messages is None:
-                doc_ids = eng._encode_documents(self.docs)
+                if doc_ids is None:
+                    doc_ids = eng._encode_documents(self.docs)
                 layout, segs, miss_s = eng._prepare(self.question, self.docs, strat, doc_ids, reserve)
                 self.t_prefill = time.perf_counter()
                 layout, segs, reorder_s = eng._reorder(self.question, self.docs, strat, self.ratio, layout, segs,
