@@ -8,6 +8,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import sys
 from importlib import resources
 from pathlib import Path
@@ -518,7 +519,7 @@ def cmd_front(args) -> int:
     except ValueError:
         raise CliError(f"--default takes STRATEGY@RATIO, got {args.default!r}") from None
     adapter = args.adapter
-    if adapter not in ("", "none") and len(adapter) != 16:
+    if adapter not in ("", "none") and not re.fullmatch(r"[0-9a-f]{16}", adapter):  # a name or a file
         from kvfuse.engine.adapter import load_adapter, resolve_adapter
 
         path = resolve_adapter(adapter, args.model)
