@@ -112,6 +112,47 @@ def dense_rows(t: int, hidden: int, hq: int, hkv: int, d: int, ffn: int) -> dict
     return {"qkv": qkv, "mlp": mlp}
 
 
+def tail_rows(t: int, hidden: int, hq: int, hkv: int, d: int) -> dict[str, list[tuple[str, object]]]:
+    """The attention call as the plain prefill makes it (v a column view of the packed q/k/v output) and the
+    residual add after the output projection, each beside its alternatives."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    dev, dt = "cuda", torch.bfloat16
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, device=dev, dtype=dt)
+    q = torch.randn(t, hq, d, device=dev, dtype=dt)          # RoPE's output: contiguous token-major
+    k = torch.randn(t, hkv, d, device=dev, dtype=dt)
+    v_view = qkv[:, (hq + hkv) * d:].view(t, hkv, d)            # a column view, as served
+    v = v_view.contiguous()
+    h = torch.randn(t, hidden, device=dev, dtype=dt)
+    a = torch.randn(t, hq * d, device=dev, dtype=dt)
+    wo = torch.randn(hidden, hq * d, device=dev, dtype=dt) * 0.02
+
+    def sdpa(qq, kk, vv):
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            return F.scaled_dot_product_attention(qq.transpose(0, 1)[None], kk.transpose(0, 1)[None],
+                                                  vv.transpose(0, 1)[None], is_causal=True, enable_gqa=True)[0]
+
+    out = sdpa(q, k, v_view).transpose(0, 1)
+    print(f"  cudnn output transposed back to [T, H, D]: strides {tuple(out.stride())}, "
+          f"contiguous={out.is_contiguous()}")
+    attn = [("cudnn, v a column view, out .contiguous() (served)", lambda: sdpa(q, k, v_view).transpose(0, 1).contiguous()),
+            ("cudnn, v contiguous, out .contiguous()", lambda: sdpa(q, k, v).transpose(0, 1).contiguous()),
+            ("cudnn, v a column view, out as it comes", lambda: sdpa(q, k, v_view).transpose(0, 1)),
+            ("cudnn, v contiguous, out as it comes", lambda: sdpa(q, k, v).transpose(0, 1))]
+    res = [("residual: h + linear(a, wo) (served)", lambda: h + F.linear(a, wo)),
+           ("residual: addmm(h, a, wo.T)", lambda: torch.addmm(h, a, wo.t()))]
+    try:
+        from kvfuse.kernels.rmsnorm import rms_norm
+
+        ln = torch.ones(hidden, device=dev, dtype=dt)
+        res.append(("residual + rmsnorm: h + linear, rms_norm (served)",
+                    lambda: rms_norm(h + F.linear(a, wo), ln, 1e-6)))
+        res.append(("residual + rmsnorm: addmm, rms_norm", lambda: rms_norm(torch.addmm(h, a, wo.t()), ln, 1e-6)))
+    except ImportError:
+        pass
+    return {"tail attention": attn, "tail residual": res}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="llama8b,qwen05b")
@@ -121,7 +162,8 @@ def main() -> int:
     for shape in args.shapes.split(","):
         hidden, hq, hkv, d, ffn = SHAPES[shape]
         for t in map(int, args.rows.split(",")):
-            groups = {"attention": attention_rows(t, hq, hkv, d), **dense_rows(t, hidden, hq, hkv, d, ffn)}
+            groups = {"attention": attention_rows(t, hq, hkv, d), **dense_rows(t, hidden, hq, hkv, d, ffn),
+                      **tail_rows(t, hidden, hq, hkv, d)}
             for group, rows in groups.items():
                 base = None
                 for name, fn in rows:
