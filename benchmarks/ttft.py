@@ -185,6 +185,8 @@ def main() -> int:
     ap.add_argument("--doc-tokens", type=int, default=512)
     ap.add_argument("--question-tokens", type=int, default=64)
     ap.add_argument("--ratio", type=float, default=0.15)
+    ap.add_argument("--ratios", default="", help="several recompute ratios (comma separated; overrides --ratio), "
+                                                 "each a row of every strategy that reads one")
     ap.add_argument("--strategies", default="full,reuse,cacheblend,infoflow",
                     help="kvfuse rows (full and reuse ignore the ratio)")
     ap.add_argument("--tiers", default="pool,host", help="pool = GPU-resident, host = pinned CPU-resident")
@@ -262,10 +264,11 @@ def main() -> int:
                                                              if s in available()]
                 steps = [int(x) for x in args.row_steps.split(",") if x] or [None]
                 engine_steps = engine.runner.layout.row_steps if engine.runner.layout is not None else None
-                runs = [(s_, lay, st) for s_ in names for lay in args.layouts.split(",")
-                        for st in (steps if lay == "first-sight" else [None])]
-                for name, layout, row_steps in runs:
-                    ratio = args.ratio
+                ratios = [float(x) for x in args.ratios.split(",") if x] or [args.ratio]
+                runs = [(s_, lay, st, ra) for s_ in names
+                        for ra in (ratios[:1] if s_ in ("full", "reuse", "sift") else ratios)
+                        for lay in args.layouts.split(",") for st in (steps if lay == "first-sight" else [None])]
+                for name, layout, row_steps, ratio in runs:
                     if engine.runner.layout is not None:
                         engine.runner.layout.row_steps = row_steps or engine_steps
                     fresh = iter(range(1_000_000))
