@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 __all__ = ["AUTO", "FrontPoint", "Front", "Choice", "TtftRate", "packaged_front", "build_front", "quality_from_eval",
            "rel_ttft_from"]
@@ -268,15 +268,22 @@ def rel_ttft_from(source: str) -> dict[tuple[str, float], float]:
     return {k: sum(v) / len(v) for k, v in out.items()}
 
 
-def build_front(quality: str | Path, rel: Mapping[str, str], *, model: str, adapter: str,
+def build_front(quality: str | Path, rel: Mapping[str, str | Sequence[str]], *, model: str, adapter: str,
                 default: tuple[str, float], datasets: list[str] | None = None) -> Front:
     """A front: fidelity and KL from one eval summary, relative TTFT per device type from `rel`
-    ({device type: source}, see `rel_ttft_from`). A point without a relative TTFT for a device is not used there."""
+    ({device type: source or sources}, see `rel_ttft_from`; with several, a point takes its figure from the first
+    source that measured it). A point without a relative TTFT for a device is not used there."""
     q = quality_from_eval(quality, datasets)
-    rels = {dev: rel_ttft_from(src) for dev, src in rel.items()}
+    sources = {dev: [src] if isinstance(src, str) else list(src) for dev, src in rel.items()}
+    rels = {}
+    for dev, srcs in sources.items():
+        rels[dev] = {}
+        for src in reversed(srcs):  # the first source wins
+            rels[dev].update(rel_ttft_from(src))
     points = tuple(FrontPoint(s, r, fid, kl, {dev: m[(s, r)] for dev, m in rels.items() if (s, r) in m})
                    for (s, r), (fid, kl) in q.items())
-    source = f"fidelity, KL: {quality}; relative TTFT: " + ", ".join(f"{d} {src}" for d, src in rel.items())
+    source = f"fidelity, KL: {quality}; relative TTFT: " + ", ".join(
+        f"{d} {' then '.join(srcs)}" for d, srcs in sources.items())
     return Front(model, adapter, points, _strategy_key(*default), source)
 
 

@@ -510,7 +510,7 @@ def cmd_front(args) -> int:
         dev, sep, src = item.partition("=")
         if not sep or not dev or not src:
             raise CliError(f"--rel takes DEVICE=SOURCE (e.g. cpu=runs/x/summary.csv), got {item!r}")
-        rel[dev] = src
+        rel.setdefault(dev, []).append(src)  # repeated: the first source that measured a point wins
     if not rel:
         raise CliError("give at least one --rel DEVICE=SOURCE (where the relative TTFT comes from)")
     name, _, ratio = args.default.partition("@")
@@ -660,7 +660,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quality", required=True, help="a kvfuse eval summary.csv (or summary.md): fidelity and KL")
     p.add_argument("--rel", action="append", default=[], metavar="DEVICE=SOURCE",
                    help="relative TTFT for a device type (cpu, cuda): an eval summary measured there, or a "
-                        "benchmarks/ttft.py CSV as FILE.csv:SHAPE:CONTEXT (its first-sight rows); repeatable")
+                        "benchmarks/ttft.py CSV as FILE.csv:SHAPE:CONTEXT (its first-sight rows); repeatable, also for one "
+                        "device (a point takes its figure from the first source that measured it)")
     p.add_argument("--model", required=True, help="the registry model name the front describes")
     p.add_argument("--adapter", default="none", help="the adapter it was measured with: none, packaged, a "
                                                      ".safetensors file or a 16-hex digest prefix")

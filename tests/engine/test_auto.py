@@ -81,6 +81,21 @@ def test_a_front_is_built_from_an_eval_summary_and_a_ttft_csv(tmp_path):
     assert (p.strategy, p.ratio) == ("infoflow", 0.15)
     assert p.fidelity == pytest.approx(0.7) and p.kl == pytest.approx(0.15)
     assert p.rel_ttft["cpu"] == pytest.approx((0.5 + 0.25) / 2) and p.rel_ttft["cuda"] == pytest.approx(0.6)
+    # several sources for one device: a point takes the first source that measured it, the rest fill in
+    (tmp_path / "ttft2.csv").write_text(
+        "shape,context,row,tier,ttft_ms\ns,8192,kvfuse full first-sight,pool,10\n"
+        "s,8192,kvfuse infoflow@15% first-sight,pool,9\ns,8192,kvfuse infoflow@30% first-sight,pool,8\n")
+    rows.append("a,infoflow,0.3,5,f1,.4,0,1,100,0.9,0,1,0.05,1.5")
+    rows.append("b,infoflow,0.3,5,f1,.4,0,1,100,0.9,0,1,0.05,2.5")
+    (tmp_path / "summary.csv").write_text(head + "\n".join(rows) + "\n")
+    f = build_front(tmp_path / "summary.csv", {"cuda": [f"{tmp_path / 'ttft.csv'}:s:8192",
+                                                        f"{tmp_path / 'ttft2.csv'}:s:8192"]},
+                    model="m", adapter="", default=("infoflow", 0.15))
+    rel = {p.key: p.rel_ttft.get("cuda") for p in f.points if p.strategy != "full"}
+    assert rel == {("infoflow", 0.15): pytest.approx(0.6), ("infoflow", 0.3): pytest.approx(0.8)}
+    # a target the 15% point misses is met by the 30% one, not by jumping to full prefill
+    c = f.choose("cuda", target_fidelity=0.85)
+    assert (c.strategy, c.ratio) == ("infoflow", 0.3)
 
 
 def test_the_packaged_fronts_describe_the_shipped_adapter_and_none():
@@ -166,18 +181,24 @@ def test_auto_with_a_budget_predicts_from_the_engines_own_rate(engine):
     assert pred == pytest.approx(engine.ttft_rate.value * r.prompt_tokens)
 
 
-@pytest.mark.parametrize("adapter, quality, name", [
-    ("packaged", "docs/quality/adapter_gpu/offline_c_summary.md", "qwen2.5-coder-0.5b.json"),
-    ("none", "docs/quality/q60/summary.csv", "qwen2.5-coder-0.5b.none.json")])
-def test_the_shipped_fronts_are_rebuilt_by_kvfuse_front_from_committed_measurements(tmp_path, adapter, quality, name):
+CUDA_REL = "cuda=docs/gpu/ttft_ratios_05b.csv:qwen05b:8192"
+
+
+@pytest.mark.parametrize("adapter, quality, rel, name", [
+    ("packaged", "docs/quality/adapter_gpu/ratios_summary.csv",
+     ["cpu=docs/quality/q60/summary.csv", "cpu=docs/quality/sweep20/summary.csv", CUDA_REL], "qwen2.5-coder-0.5b.json"),
+    ("none", "docs/quality/q60/summary.csv", ["cpu=docs/quality/q60/summary.csv", CUDA_REL],
+     "qwen2.5-coder-0.5b.none.json")])
+def test_the_shipped_fronts_are_rebuilt_by_kvfuse_front_from_committed_measurements(tmp_path, adapter, quality, rel,
+                                                                                     name):
     from pathlib import Path
 
     from kvfuse.cli import main
 
     root = Path(__file__).resolve().parents[2]
     out = tmp_path / name
-    rc = main(["front", "--quality", str(root / quality), "--rel", f"cpu={root / 'docs/quality/q60/summary.csv'}",
-               "--rel", f"cuda={root / 'docs/gpu/ttft_first_sight_packed.csv'}:qwen05b:8192",
+    rels = [a for r in rel for a in ("--rel", r.replace("=", f"={root}/", 1))]
+    rc = main(["front", "--quality", str(root / quality), *rels,
                "--model", "qwen2.5-coder-0.5b", "--adapter", adapter, "--out", str(out)])
     assert rc == 0
     built, shipped = Front.load(out), Front.load(root / "kvfuse/data/fronts" / name)
