@@ -203,7 +203,10 @@ def main() -> int:
     ap.add_argument("--layouts", default="first-sight,repeated",
                     help="first-sight: every timed request a new random layout (document count and lengths; its "
                          "documents precomputed, untimed); repeated: the same request every time (graph replay); "
-                         "cold-bucket: a new layout whose shape bucket has no graph yet (the padded path eagerly)")
+                         "cold-bucket: a new layout whose shape bucket has no graph yet (the padded path eagerly); "
+                         "mixed: as first-sight, with the context (N/2 to N) and question (16-128 tokens) lengths "
+                         "drawn per request too, as real traffic (use many --reps: the median then shows how often "
+                         "a request finds its bucket's graph)")
     args = ap.parse_args()
 
     import transformers
@@ -267,7 +270,8 @@ def main() -> int:
                 ratios = [float(x) for x in args.ratios.split(",") if x] or [args.ratio]
                 runs = [(s_, lay, st, ra) for s_ in names
                         for ra in (ratios[:1] if s_ in ("full", "reuse", "sift") else ratios)
-                        for lay in args.layouts.split(",") for st in (steps if lay == "first-sight" else [None])]
+                        for lay in args.layouts.split(",")
+                        for st in (steps if lay in ("first-sight", "mixed") else [None])]
                 for name, layout, row_steps, ratio in runs:
                     if engine.runner.layout is not None:
                         engine.runner.layout.row_steps = row_steps or engine_steps
@@ -277,7 +281,16 @@ def main() -> int:
                         qi, ds = q, docs
                         if layout == "cold-bucket" and engine.runner.layout is not None:
                             engine.runner.layout.reset()  # forget every bucket's graph: run eagerly
-                        if layout in ("first-sight", "cold-bucket"):
+                        if layout == "mixed":  # real traffic: the context and question lengths vary too
+                            seed = next(fresh)
+                            g = torch.Generator().manual_seed(20_000 + seed)
+                            n_i = int(torch.randint(n // 2, n + 1, (1,), generator=g))
+                            q_i = int(torch.randint(16, 129, (1,), generator=g))
+                            qi, ds = random_layout(engine, n_i, q_i, vocab, seed)
+                            engine.precompute(ds)
+                            if offline_data(name):
+                                engine.precompute(ds, strategy=name)
+                        elif layout in ("first-sight", "cold-bucket"):
                             qi, ds = random_layout(engine, n, args.question_tokens, vocab, next(fresh))
                             engine.precompute(ds)  # cached, untimed: the layout is what is new
                             if offline_data(name):

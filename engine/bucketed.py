@@ -5,8 +5,17 @@ the exact layout almost never replays. Here the shapes of a prefill depend only 
 
 - N: prompt rows, rounded up (8 steps per octave, so at most ~12% padding), keys past the prompt are masked by
   position (they sit at positions >= n, after every real query);
-- M: rows that are always computed (question, chat suffix, glue), rounded up (4 steps per octave);
-- K: document rows recomputed, rounded up (8 steps per octave; the real count is a device scalar).
+- M: rows that are always computed (question, chat suffix, glue): at least 32, then 2 steps per octave;
+- K: document rows recomputed, rounded up (4 steps per octave; the real count is a device scalar);
+- V (qcfuse's compressed probe view): 4 steps per octave.
+
+M, K and V are coarse on purpose: a request's bucket is the product of the sizes, and real traffic (documents of
+every length, questions of every length) spreads over that product. With M at 4 and K at 8 steps per octave and 24
+graphs, a simulated stream of 3-10 documents of 128-1024 tokens and 10-120-token questions met 420 buckets and,
+in steady state, 90% of its requests paid a capture (the cache filled, started over, filled again); with these
+steps and 512 graphs, 210 buckets and 97% replays, for 11% more computed rows (`benchmarks/bucket_traffic.py`). A
+fused bucket's graph holds no per-layer outputs (its fresh K/V stay in the pool's scratch rows and are read when
+the sequence opens), so hundreds fit in memory.
 
 The layout (token ids, the pool row of every position, the candidate mask, the always-computed positions, the
 number of rows to keep) is copied into static buffers; padded query rows carry position -1, so they see no key,
@@ -35,9 +44,13 @@ from ..kernels.rope import apply_rope
 from ..kernels.scatter import scatter_rows
 from .cudagraph import capture_graph
 from .fusion.base import SelectContext, signature
-from .sources import AssembledSource, PooledSource, pool_rows
+from .sources import AssembledSource, PooledSource, PoolRows, pool_rows
 
-__all__ = ["bucket_size", "LayoutGraphs"]
+__all__ = ["bucket_size", "LayoutGraphs", "M_MIN", "M_STEPS", "K_STEPS", "V_STEPS"]
+
+M_MIN, M_STEPS = 32, 2  # always-computed rows: at least 32, then 2 sizes per octave
+K_STEPS = 4             # recomputed document rows: 4 sizes per octave
+V_STEPS = 4             # a compressed probe view's keys: 4 sizes per octave
 
 log = logging.getLogger("kvfuse.runner")
 
@@ -118,7 +131,7 @@ class LayoutGraphs:
         row_steps: prompt-row (N) bucket sizes per octave.
     """
 
-    def __init__(self, runner, graphs: bool, max_graphs: int = 24, max_bytes: int = 8 << 30,
+    def __init__(self, runner, graphs: bool, max_graphs: int = 512, max_bytes: int = 8 << 30,
                  row_steps: int = 8) -> None:
         self.runner = runner
         self.row_steps = row_steps  # prompt-row buckets per octave (N): more steps, less padding, more graphs
@@ -166,7 +179,7 @@ class LayoutGraphs:
             return None
         must = plan.must_pos
         m = int(must.numel())
-        mb = bucket_size(m, 4, 16)
+        mb = bucket_size(m, M_STEPS, M_MIN)
         ctx = SelectContext(n_layers=spec.n_layers, ratio=ratio, candidates=plan.cand_host,
                             doc_spans=plan.doc_spans, question=must, budget_tokens=plan.budget_tokens,
                             doc_extras=[seg.kv.extras for seg in cached if seg.selectable and not seg.exact],
@@ -182,11 +195,11 @@ class LayoutGraphs:
             k = ctx.budget
             if k == 0 and kind == "probe":  # nothing to choose: the probe's answer is not needed
                 kind, chosen = "host", torch.zeros(0, dtype=torch.long)
-        kb = bucket_size(k, 8, 16)
+        kb = bucket_size(k, K_STEPS, 16)
         view = strategy.probe_keys(ctx) if kind == "probe" else None  # host work: the plan's own tensors
         if view is not None:
             view = torch.unique(torch.cat([view.cpu().long(), must.long()]))
-        vb = 0 if view is None else bucket_size(int(view.numel()), 8, 64)
+        vb = 0 if view is None else bucket_size(int(view.numel()), V_STEPS, 64)
         sig = signature(strategy)
         if sig is None:
             return None
@@ -303,9 +316,8 @@ class LayoutGraphs:
             if i == check:  # slot p is position p here: score every slot, keep the top candidates
                 score = strategy.refine_scores(k, kp.index_select(0, inp.base[:h.nb]))
                 chosen = self._top(score, cand, inp, h.kb)
-            scatter_rows(kp, dst, k)
+            scatter_rows(kp, dst, k)  # the pool's scratch rows are this layer's fresh K/V (read at open)
             scatter_rows(vp, dst, v)
-            fresh.append((k, v))
             if i == check:  # the kept rows go on; at this layer every key is still the fresh one just written
                 act = _real_first(torch.cat([inp.must, chosen]))
                 sel = act.clamp_min(0)
@@ -364,8 +376,10 @@ class LayoutGraphs:
 
     def _new_entry(self, h: _Host, strategy, ratio: float, pool):
         spec = self.spec
-        rows = h.nb if h.kind in ("plain", "check") else h.mb + h.kb
-        size = rows * spec.n_layers * 2 * spec.n_kv_heads * spec.head_dim * self.dec.embed.element_size()
+        if h.kind == "plain":  # its per-layer K/V are the graph's outputs
+            size = h.nb * spec.n_layers * 2 * spec.n_kv_heads * spec.head_dim * self.dec.embed.element_size()
+        else:  # logits and index vectors only: the fresh K/V stay in the pool
+            size = spec.vocab * 4 + 8 * (h.nb + h.mb + h.kb)
         if self.entries and (len(self.entries) >= self.max_graphs or sum(self.sizes.values()) + size > self.max_bytes):
             self.reset()  # full: start over (rare; buckets are few)
             self.seen[h.key] = 2
@@ -403,12 +417,13 @@ class LayoutGraphs:
         final = act[:a]
         pending = []
         pre = h.pre.to(dev, non_blocking=True) if h.kind == "check" else None
-        for i, (k, v) in enumerate(fresh):
-            if i <= h.check:  # computed for every candidate up to the check layer (slot p = position p)
-                pending.append((pre, k.index_select(0, pre), v.index_select(0, pre)))
-            else:
-                pending.append((final, k[:a], v[:a]))
         pool = h.pool
+        # layer i wrote the rows it computed to their scratch rows (slot p = position p); up to the check layer
+        # those are every candidate's
+        late = PoolRows(pool, final + pool.scratch_start)
+        early = PoolRows(pool, pre + pool.scratch_start) if pre is not None else None
+        for i in range(self.spec.n_layers):
+            pending.append((pre, early, None) if i <= h.check else (final, late, None))
         scratch = torch.arange(pool.scratch_start, pool.scratch_start + n, device=dev)
         src = PooledSource.from_rows(pool, inp.base[:n], scratch)  # the request's rows, already on the device
         return logits, (src, pending, n), recomputed[:h.k]

@@ -20,7 +20,7 @@ from ..kernels.attention import fused_attention
 from ..kernels.decode_attention import decode_attention
 from ..kernels.rope import apply_rope
 from .cudagraph import capture_graph
-from .sources import PooledSource
+from .sources import PooledSource, PoolRows
 from .store.pool import KVPool
 
 __all__ = ["Arena", "Sequence", "Decoding", "BATCH_BUCKETS", "decode_rows"]
@@ -140,6 +140,8 @@ class Decoding:
         base_private = src.base_rows.to(dev)[private] if pooled else None  # their cached rows, once for all layers
         for i, (pos, k, v) in enumerate(fresh):
             pos = pos.to(dev)
+            if isinstance(k, PoolRows):  # the prefill's rows still in the pool: read them before they are reused
+                k, v = k.take(i)
             if pooled:
                 ck = pool.k[i].index_select(0, base_private)
                 cv = pool.v[i].index_select(0, base_private)

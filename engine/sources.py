@@ -18,7 +18,7 @@ from torch import Tensor
 from .store.entry import DocKV
 from .store.pool import KVPool
 
-__all__ = ["PooledSource", "AssembledSource", "make_source", "pool_rows"]
+__all__ = ["PooledSource", "AssembledSource", "PoolRows", "make_source", "pool_rows"]
 
 
 def pool_rows(cached, n: int, pool: KVPool) -> Tensor:
@@ -33,6 +33,24 @@ def pool_rows(cached, n: int, pool: KVPool) -> Tensor:
 class _NoPrefetch:
     def prefetch(self, i: int, n_layers: int) -> None:
         pass
+
+
+class PoolRows:
+    """Fresh K/V a prefill left in a pool's rows (a bucketed prefill's scratch rows), read when a sequence opens.
+
+    A pending entry `(positions, PoolRows, None)` stands for `(positions, k, v)` with k/v the layer's rows `rows`
+    of `pool`: the prefill keeps no copy of its own (a captured graph then holds no per-layer outputs), and the
+    gather runs in `Decoding.open`, after the first token.
+    """
+
+    __slots__ = ("pool", "rows")
+
+    def __init__(self, pool: KVPool, rows: Tensor) -> None:
+        self.pool, self.rows = pool, rows
+
+    def take(self, i: int) -> tuple[Tensor, Tensor]:
+        """Layer i's (k, v) of the rows."""
+        return self.pool.k[i].index_select(0, self.rows), self.pool.v[i].index_select(0, self.rows)
 
 
 class PooledSource(_NoPrefetch):

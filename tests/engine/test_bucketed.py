@@ -97,6 +97,23 @@ def test_layouts_of_one_bucket_share_a_key(engines):
     assert len(keys) == 1
 
 
+def test_question_length_does_not_pick_a_new_graph(engines):
+    """Real questions vary in length: a few words more (28 vs 31 always-computed rows here) keep the bucket, since M
+    is coarse (at least 32 rows, then 2 sizes per octave), and both requests still give the exact path's tokens."""
+    eng, exact = engines[True], engines[False]
+    keys, ms = set(), set()
+    for q in (QUESTION, QUESTION + " Answer briefly."):
+        strat = make_strategy("infoflow")
+        layout, segs, _ = eng._prepare(q, as_documents(DOCS), strat)
+        h = eng.runner.layout.plan(eng.runner.plan(layout.n, segs, strat), layout.ids, strat, 0.3)
+        keys.add(h.key)
+        ms.add(h.m)
+        a = eng.generate(q, DOCS, strategy="infoflow", recompute_ratio=0.3, max_new_tokens=4)
+        b = exact.generate(q, DOCS, strategy="infoflow", recompute_ratio=0.3, max_new_tokens=4)
+        assert a.token_ids == b.token_ids
+    assert len(ms) == 2 and len(keys) == 1
+
+
 def test_generation_matches_exact_size(engines):
     """Whole requests (prefill and greedy decode) give the exact-size path's tokens."""
     for strategy in ("infoflow", "cacheblend", "epic"):
