@@ -44,19 +44,24 @@ def test_graphs_and_tiers_match_eager(family, strategy, ratio):
 
 @pytest.mark.parametrize("strategy", ["full", "reuse", "epic", "cacheblend", "infoflow", "prophetkv", "qcfuse"])
 def test_bucket_graphs_serve_new_layouts_like_eager(strategy):
-    """Never-seen layouts (documents reordered, dropped) that share a shape bucket replay one graph and give the
-    tokens of the same padded prefill run eagerly."""
+    """Never-seen layouts (documents reordered, dropped; questions a few words longer) that share a shape bucket
+    replay one graph and give the tokens of the same padded prefill run eagerly; a fused bucket's graph keeps no
+    per-layer K/V (the sequence reads them from the pool's scratch rows)."""
     eager = _engine("llama3", kv_tier="pool", cuda_graphs=False, memory_budget_bytes=64 << 20)
     graphs = _engine("llama3", kv_tier="pool", cuda_graphs=True, memory_budget_bytes=64 << 20)
-    layouts = [DOCS, DOCS[::-1], [DOCS[1], DOCS[0], DOCS[2]], [DOCS[2], DOCS[1], DOCS[0]], DOCS[:2] + DOCS[2:]]
+    longer = QUESTION + " Answer briefly."
+    layouts = [(QUESTION, DOCS), (longer, DOCS[::-1]), (QUESTION, [DOCS[1], DOCS[0], DOCS[2]]),
+               (longer, [DOCS[2], DOCS[1], DOCS[0]]), (QUESTION, DOCS[:2] + DOCS[2:])]
     kw = dict(strategy=strategy, recompute_ratio=0.3, max_new_tokens=6)
-    for docs in layouts:
-        ref = eager.generate(QUESTION, docs, **kw)
-        got = graphs.generate(QUESTION, docs, **kw)
+    for question, docs in layouts:
+        ref = eager.generate(question, docs, **kw)
+        got = graphs.generate(question, docs, **kw)
         assert got.token_ids == ref.token_ids
         assert got.recomputed_tokens == ref.recomputed_tokens
     lg = graphs.runner.layout
     assert lg.captures >= 1 and lg.replays >= len(layouts) - 2, (lg.captures, lg.replays, lg.eager_runs)
+    if strategy != "full":  # each entry: (inputs, select graph, main graph, (logits, per-layer K/V, active, chosen))
+        assert all(len(entry[3][1]) == 0 for entry in lg.entries.values())
     assert len(graphs.runner.graphs.entries) == 0  # no exact-layout graph was needed
     eager.close()
     graphs.close()
