@@ -378,8 +378,8 @@ class LayoutGraphs:
         spec = self.spec
         if h.kind == "plain":  # its per-layer K/V are the graph's outputs
             size = h.nb * spec.n_layers * 2 * spec.n_kv_heads * spec.head_dim * self.dec.embed.element_size()
-        else:  # logits and index vectors only: the fresh K/V stay in the pool
-            size = spec.vocab * 4 + 8 * (h.nb + h.mb + h.kb)
+        else:  # logits, index vectors and the static inputs only: the fresh K/V stay in the pool
+            size = spec.vocab * 4 + 8 * (h.nb + h.mb + h.kb + _Inputs.width(h.nb, h.mb, h.kb, h.vb))
         if self.entries and (len(self.entries) >= self.max_graphs or sum(self.sizes.values()) + size > self.max_bytes):
             self.reset()  # full: start over (rare; buckets are few)
             self.seen[h.key] = 2
