@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # after site-packages: see kvfuse/__init__.py
 
 SHAPES = {  # hidden, heads, kv heads, head_dim, ffn
     "llama8b": (4096, 32, 8, 128, 14336),

@@ -14,9 +14,57 @@ e.g. `logging.basicConfig(level=logging.INFO)` or a handler on `logging.getLogge
 command line prints the warnings itself, on stderr.
 """
 import importlib
+import importlib.abc
+import importlib.util
 import logging
+import sys
+from pathlib import Path
 
 logging.getLogger("kvfuse").addHandler(logging.NullHandler())
+
+
+class _InstalledKernels(importlib.abc.MetaPathFinder):
+    """Finds the installed PyPI `kernels` package (transformers imports it, a dependency since transformers 5.25)
+    where the repository's own top-level `kernels/` folder would shadow it.
+
+    That folder installs as `kvfuse.kernels`, never as `kernels`; but with the repository root on sys.path (a
+    script or `python -m` run from the checkout) `import kernels` would find the folder, and loading a model
+    fails inside transformers. Only the top-level name is redirected; its submodules follow the package's path.
+    """
+
+    def __init__(self, init_file: Path) -> None:
+        self.init_file = init_file
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != "kernels":
+            return None
+        return importlib.util.spec_from_file_location(fullname, self.init_file,
+                                                      submodule_search_locations=[str(self.init_file.parent)])
+
+
+def _guard_kernels_name() -> None:
+    """Installs `_InstalledKernels` when a `kernels` distribution is installed and `import kernels` would find
+    this repository's folder instead (cheap: no import, a path lookup and a metadata read)."""
+    if "kernels" in sys.modules or any(isinstance(f, _InstalledKernels) for f in sys.meta_path):
+        return
+    ours = Path(__file__).resolve().parents[1] / "kernels" / "__init__.py"
+    try:
+        spec = importlib.util.find_spec("kernels")
+    except (ImportError, ValueError):
+        return
+    if spec is None or spec.origin is None or Path(spec.origin).resolve() != ours:
+        return
+    from importlib import metadata
+
+    try:
+        init = Path(metadata.distribution("kernels").locate_file("kernels/__init__.py"))
+    except metadata.PackageNotFoundError:
+        return
+    if init.is_file() and init.resolve() != ours:
+        sys.meta_path.insert(0, _InstalledKernels(init))
+
+
+_guard_kernels_name()
 
 # public name -> the module that defines it
 _EXPORTS = {

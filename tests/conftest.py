@@ -26,6 +26,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 _HERE = str(Path(__file__).resolve().parent)
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
+# `python -m pytest` from the checkout puts the repository root on sys.path, where its top-level `kernels/` folder
+# would shadow the PyPI `kernels` package transformers imports (kvfuse/__init__.py guards the same for users)
+_ROOT = Path(_HERE).parent
+sys.path[:] = [p for p in sys.path if p not in ("", ".") and Path(p).resolve() != _ROOT]
+import kvfuse  # noqa: E402,F401  (installs the guard before anything loads a model)
 
 import fixtures  # noqa: E402
 

@@ -36,3 +36,36 @@ def test_import_kvfuse_is_cheap_and_keeps_its_null_handler():
             "assert FusionEngine.__module__ == 'kvfuse.engine.api'\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
     assert any(isinstance(h, logging.NullHandler) for h in logging.getLogger("kvfuse").handlers)
+
+
+def _installed_kernels():
+    from importlib import metadata
+
+    try:
+        return metadata.distribution("kernels")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def test_the_pypi_kernels_package_is_not_shadowed_by_the_repository_folder():
+    """transformers (>= 5.25) imports the PyPI `kernels` package; the repository's top-level `kernels/` folder (which
+    installs as `kvfuse.kernels`) must not stand in for it, even with the repository root first on sys.path."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import pytest
+
+    if _installed_kernels() is None:
+        pytest.skip("no `kernels` distribution installed (transformers < 5.25): nothing to shadow")
+    root = Path(__file__).resolve().parents[1]
+    probe = ("import sys; sys.path.insert(0, {root!r}); {pre}import kernels, kvfuse.kernels as ours; "
+             "print(kernels.__file__); print(ours.__file__)")
+    out = subprocess.run([sys.executable, "-c", probe.format(root=str(root), pre="import kvfuse; ")],
+                         capture_output=True, text=True, check=True, cwd=root).stdout.split()
+    assert Path(out[0]).resolve() != (root / "kernels" / "__init__.py").resolve()  # the installed package
+    assert Path(out[1]).resolve() == (root / "kernels" / "__init__.py").resolve()  # ours, under its own name
+    # without kvfuse imported first the folder does shadow it: the guard is what makes the difference
+    bare = subprocess.run([sys.executable, "-c", probe.format(root=str(root), pre="")],
+                          capture_output=True, text=True, check=True, cwd=root).stdout.split()
+    assert Path(bare[0]).resolve() == (root / "kernels" / "__init__.py").resolve()
