@@ -43,16 +43,14 @@ class _InstalledKernels(importlib.abc.MetaPathFinder):
 
 
 def _guard_kernels_name() -> None:
-    """Installs `_InstalledKernels` when a `kernels` distribution is installed and `import kernels` would find
-    this repository's folder instead (cheap: no import, a path lookup and a metadata read)."""
-    if "kernels" in sys.modules or any(isinstance(f, _InstalledKernels) for f in sys.meta_path):
+    """Installs `_InstalledKernels` in a checkout (the repository's `kernels/` folder beside this package) when a
+    `kernels` distribution is installed: whatever sys.path holds now or later (a Ray worker started in the
+    checkout, a script inserting the root), `import kernels` then finds the installed package. Cheap: a metadata
+    read, no import."""
+    if any(isinstance(f, _InstalledKernels) for f in sys.meta_path):
         return
     ours = Path(__file__).resolve().parents[1] / "kernels" / "__init__.py"
-    try:
-        spec = importlib.util.find_spec("kernels")
-    except (ImportError, ValueError):
-        return
-    if spec is None or spec.origin is None or Path(spec.origin).resolve() != ours:
+    if not ours.is_file():  # an installed kvfuse: its kernels are kvfuse/kernels, nothing can shadow
         return
     from importlib import metadata
 
@@ -62,6 +60,9 @@ def _guard_kernels_name() -> None:
         return
     if init.is_file() and init.resolve() != ours:
         sys.meta_path.insert(0, _InstalledKernels(init))
+        shadow = sys.modules.get("kernels")
+        if shadow is not None and Path(getattr(shadow, "__file__", "") or "").resolve() == ours:
+            del sys.modules["kernels"]  # the folder was imported under the wrong name: the next import is right
 
 
 _guard_kernels_name()
