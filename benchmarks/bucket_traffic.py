@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import inspect
 import random
 import sys
 from pathlib import Path
@@ -88,12 +89,14 @@ def main() -> int:
     args = ap.parse_args()
     stream = requests(args.requests, _span(args.docs), _span(args.doc_tokens), _span(args.question), args.ratio,
                       args.seed)
-    default_graphs = LayoutGraphs.__init__.__defaults__[0]
+    defaults = inspect.signature(LayoutGraphs).parameters  # the engine's own defaults, not copies of them
+    default_graphs, row_steps = defaults["max_graphs"].default, defaults["row_steps"].default
     rules = {
         "before: M 4/oct from 16, K 8/oct, 24 graphs": (
             lambda n, m, k: (bucket_size(n, 8, 64), bucket_size(m, 4, 16), bucket_size(k, 8, 16)), 24),
         f"now: M {M_STEPS}/oct from {M_MIN}, K {K_STEPS}/oct, {default_graphs} graphs": (
-            lambda n, m, k: (bucket_size(n, 8, 64), bucket_size(m, M_STEPS, M_MIN), bucket_size(k, K_STEPS, 16)),
+            lambda n, m, k: (bucket_size(n, row_steps, 64), bucket_size(m, M_STEPS, M_MIN),
+                             bucket_size(k, K_STEPS, 16)),
             default_graphs),
     }
     print(f"{args.requests} requests: {args.docs} documents of {args.doc_tokens} tokens, questions of "
