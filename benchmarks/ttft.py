@@ -128,6 +128,7 @@ def time_call(fn, reps: int, warmup: int) -> float:
     ts = []
     for _ in range(reps):
         ts.append(fn())
+    time_call.mean = statistics.fmean(ts)  # mixed traffic: the median hides how often a request runs eagerly
     return statistics.median(ts)
 
 
@@ -206,7 +207,8 @@ def main() -> int:
                          "cold-bucket: a new layout whose shape bucket has no graph yet (the padded path eagerly); "
                          "mixed: as first-sight, with the context (N/2 to N) and question (16-128 tokens) lengths "
                          "drawn per request too, as real traffic (use many --reps: the median then shows how often "
-                         "a request finds its bucket's graph)")
+                         "a request finds its bucket's graph); mixed-warm: the same requests after "
+                         "`engine.warmup` over their range (the graphs a server captures at start-up)")
     args = ap.parse_args()
 
     import transformers
@@ -253,6 +255,29 @@ def main() -> int:
             base = {"shape": shape, "context": n}
             rows.append({**base, "row": "HF SDPA full", "tier": "-", "ttft_ms": hf * 1e3, "vs_hf": 1.0})
             print(f"{shape} {n:6d}  HF SDPA full                 {hf * 1e3:8.2f} ms", flush=True)
+            hf_mixed = None
+            if any(lay.startswith("mixed") for lay in args.layouts.split(",")):
+                mixed_n = iter(range(1_000_000))
+
+                def hf_mixed_call():  # the mixed rows' prompt lengths (N/2 to N plus a 16-128-token question)
+                    g = torch.Generator().manual_seed(20_000 + next(mixed_n))
+                    n_i = int(torch.randint(n // 2, n + 1, (1,), generator=g))
+                    ids_i = torch.randint(100, vocab - 100, (1, n_i), device=dev)
+                    sync()
+                    t0 = time.perf_counter()
+                    with torch.inference_mode():
+                        out = model(ids_i, logits_to_keep=1, use_cache=False)
+                    int(out.logits[0, -1].argmax())
+                    return time.perf_counter() - t0
+
+                for _ in range(2):
+                    hf_call()
+                hf_mixed = time_call(hf_mixed_call, args.reps, 0)
+                hf_mixed_mean = time_call.mean
+                rows.append({**base, "row": "HF SDPA full mixed", "tier": "-", "ttft_ms": hf_mixed * 1e3,
+                             "mean_ttft_ms": hf_mixed_mean * 1e3, "vs_hf": 1.0})
+                print(f"{shape} {n:6d}  HF SDPA full mixed lengths   {hf_mixed * 1e3:8.2f} ms  "
+                      f"mean {hf_mixed_mean * 1e3:.2f} ms", flush=True)
             for tier in args.tiers.split(","):
                 # sift computes every row (its prompt needs arena rows beside the documents' cached ones)
                 pool = (2 * n if "sift" in strategies else n) + 1024
@@ -271,7 +296,7 @@ def main() -> int:
                 runs = [(s_, lay, st, ra) for s_ in names
                         for ra in (ratios[:1] if s_ in ("full", "reuse", "sift") else ratios)
                         for lay in args.layouts.split(",")
-                        for st in (steps if lay in ("first-sight", "mixed") else [None])]
+                        for st in (steps if lay in ("first-sight", "mixed", "mixed-warm") else [None])]
                 for name, layout, row_steps, ratio in runs:
                     if engine.runner.layout is not None:
                         engine.runner.layout.row_steps = row_steps or engine_steps
@@ -281,7 +306,7 @@ def main() -> int:
                         qi, ds = q, docs
                         if layout == "cold-bucket" and engine.runner.layout is not None:
                             engine.runner.layout.reset()  # forget every bucket's graph: run eagerly
-                        if layout == "mixed":  # real traffic: the context and question lengths vary too
+                        if layout in ("mixed", "mixed-warm"):  # real traffic: the context and question lengths vary too
                             seed = next(fresh)
                             g = torch.Generator().manual_seed(20_000 + seed)
                             n_i = int(torch.randint(n // 2, n + 1, (1,), generator=g))
@@ -311,10 +336,22 @@ def main() -> int:
                                   flush=True)
                         return r.ttft_s
 
+                    warm = None
+                    if layout in ("mixed", "mixed-warm") and engine.runner.layout is not None:
+                        engine.runner.layout.reset()  # both rows start from no graphs: the same requests
+                    if layout == "mixed-warm":
+                        warm = engine.warmup(contexts=(max(64, n // 2 - 64), n), strategies=[name],
+                                             question_tokens=(16, 128), ratios=[ratio])
+                        print(f"    warmup {name}: {warm['requests']} requests, {warm['captured']} graphs captured "
+                              f"in {warm['seconds']:.1f} s", flush=True)
                     if engine.runner.layout is not None:  # bucket graph counters of this row alone
                         engine.runner.layout.replays = engine.runner.layout.captures = 0
                         engine.runner.layout.eager_runs = 0
                     t = time_call(call, args.reps, args.warmup)
+                    t_mean = time_call.mean
+                    # mixed rows against HF on the same lengths (the random lengths are seeded alike)
+                    ref, ref_mean = ((hf_mixed, hf_mixed_mean) if layout.startswith("mixed") and hf_mixed
+                                     else (hf, hf))
                     r = call.last
                     fl = floors(model, r.prompt_tokens, r.recomputed_tokens, r.question_tokens, tflops, gbs)
                     floor = (fl["full"] if name in ("full", "sift") else fl["reuse"] if name == "reuse"
@@ -325,15 +362,18 @@ def main() -> int:
                     lg = engine.runner.layout
                     graphs = (f"{lg.replays}/{lg.captures}/{lg.eager_runs}" if lg is not None else "-")
                     rows.append({**base, "row": f"kvfuse {label}", "tier": tier, "ttft_ms": t * 1e3,
+                                 "mean_ttft_ms": t_mean * 1e3, "hf_over_mean": ref_mean / t_mean,
+                                 "warmup_s": None if warm is None else warm["seconds"],
                                  "bucket_replays_captures_eager": graphs,
-                                 "vs_hf": hf / t, "floor_ms": floor, "measured_over_floor": t * 1e3 / floor,
+                                 "vs_hf": ref / t, "floor_ms": floor, "measured_over_floor": t * 1e3 / floor,
                                  "selection_ms": r.selection_s * 1e3,
                                  "selection_share": r.selection_s / t, "recomputed": r.recomputed_tokens,
                                  "doc_tokens": r.doc_tokens, "hits": r.cache_hits, "misses": r.cache_misses,
                                  "sift_density": (r.extra.get("sift") or {}).get("density")})
-                    print(f"{shape} {n:6d}  kvfuse {label:<30} {tier:<4}  {t * 1e3:8.2f} ms  x{hf / t:6.2f} vs HF  "
+                    print(f"{shape} {n:6d}  kvfuse {label:<30} {tier:<4}  {t * 1e3:8.2f} ms  x{ref / t:6.2f} vs HF  "
                           f"floor {floor:7.2f} ms  sel {r.selection_s * 1e3:6.2f} ms  "
-                          f"recomputed {r.recomputed_tokens}/{r.doc_tokens}  bucket graphs r/c/e {graphs}", flush=True)
+                          f"recomputed {r.recomputed_tokens}/{r.doc_tokens}  bucket graphs r/c/e {graphs}  "
+                          f"mean {t_mean * 1e3:.2f} ms (x{ref_mean / t_mean:.2f})", flush=True)
                     if lg is not None and lg.failed:
                         print("  capture failures:", set(lg.failed.values()), flush=True)
                 engine.close()

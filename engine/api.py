@@ -415,6 +415,97 @@ class FusionEngine:
         self.ttft_rate.observe(seconds, n, 1.0)
         return seconds / n
 
+    def warmup(self, contexts: tuple[int, int] = (1024, 8192), strategies: Iterable[str | Strategy] | None = None,
+               question_tokens: tuple[int, int] = (16, 128), ratios: Iterable[float] = (0.15,),
+               doc_tokens: int = 256) -> dict[str, float]:
+        """Captures, ahead of traffic, the CUDA graphs of the shape buckets requests in a range will meet, so that
+        even the first request of a never-seen layout replays one (as serving engines capture theirs at start-up).
+
+        Requests in the range are synthesised (random token-id documents of `doc_tokens` tokens and a last one of
+        the rest, a prompt tail of each bucket's length, one answer token), run through `generate` and their
+        documents forgotten afterwards (the results are not kept: a graph replays the same kernels the eager
+        padded prefill runs, so tokens do not depend on what was warmed); while it runs a bucket is captured the
+        first time it is seen. One request per bucket, found by the bucketed path's own arithmetic. Nothing is done
+        without CUDA graphs (CPU, `cuda_graphs=False`).
+
+        Args:
+            contexts: (shortest, longest) prompt tokens to cover.
+            strategies: the strategies to warm (names or instances); the default strategy when None.
+            question_tokens: (shortest, longest) prompt-tail tokens to cover (the question inside its template:
+                the rows a fused prefill always computes).
+            ratios: recompute ratios to cover (the recomputed-row bucket follows the ratio).
+            doc_tokens: tokens of each synthetic document but the last.
+        Returns:
+            {"requests", "captured", "graphs", "seconds"}.
+        """
+        lo, hi = (check_int(x, "contexts", minimum=64) for x in contexts)
+        q_lo, q_hi = (check_int(x, "question_tokens", minimum=1) for x in question_tokens)
+        if lo > hi or q_lo > q_hi:
+            raise ValueError("warmup ranges must be (shortest, longest)")
+        if hi > self.context_window - 8:
+            raise ValueError(f"warmup: contexts up to {hi} tokens exceed the context window ({self.context_window})")
+        ratios = [check_real(r, "ratios", low=0.0, high=1.0) for r in ratios]
+        strats = [GenerationOptions(strategy=s).strategy for s in (strategies or [GenerationOptions().strategy])]
+        strats = [make_strategy(s) if isinstance(s, str) else s for s in strats]
+        runners = {id(r): r for r in (self.runner, self.fused_runner) if r.layout is not None and r.layout.graphs}
+        t0 = time.perf_counter()
+        if not runners:
+            return {"requests": 0, "captured": 0, "graphs": 0, "seconds": 0.0}
+        before = sum(r.layout.captures for r in runners.values())
+        prefix = len(self.prompts.prefix_ids)
+        vocab = self.decoder.spec.vocab
+        g = torch.Generator().manual_seed(0)
+        made: list[str] = []
+        count = 0
+        for r in runners.values():
+            r.layout.capture_after = 1
+        try:
+            for strat in strats:
+                reads_ratio = strat.uses_cache and not getattr(strat, "ignores_ratio", False)
+                for ratio in (ratios if reads_ratio else ratios[:1]):
+                    for n, q in self._warmup_points(strat, ratio, lo, hi, q_lo, q_hi, prefix):
+                        body = n - prefix - q  # a 16-token first document (exact), then doc_tokens each
+                        sizes = [16] + [doc_tokens] * ((body - 16) // doc_tokens)
+                        if body - sum(sizes) > 0:
+                            sizes.append(body - sum(sizes))
+                        docs = [Document(f"kvfuse-warmup-{len(made) + i}",
+                                         token_ids=torch.randint(1, vocab - 1, (s,), generator=g).tolist())
+                                for i, s in enumerate(sizes)]
+                        made += [d.id for d in docs]
+                        ids = torch.randint(1, vocab - 1, (q,), generator=g).tolist()
+                        self.generate(question_ids=ids, docs=docs, strategy=strat, recompute_ratio=ratio,
+                                      max_new_tokens=1)
+                        count += 1
+        finally:
+            for r in runners.values():
+                r.layout.capture_after = 2
+            self.forget(made)
+        after = sum(r.layout.captures for r in runners.values())
+        return {"requests": count, "captured": after - before,
+                "graphs": sum(len(r.layout.entries) for r in runners.values()),
+                "seconds": time.perf_counter() - t0}
+
+    def _warmup_points(self, strat: Strategy, ratio: float, lo: int, hi: int, q_lo: int, q_hi: int,
+                       prefix: int) -> list[tuple[int, int]]:
+        """(prompt tokens, tail tokens), one per shape bucket the range meets under `strat` at `ratio`, by the
+        bucketed path's own arithmetic (`engine/bucketed.py`)."""
+        from .bucketed import bucket_sizes, strategy_kind
+
+        kind = strategy_kind(strat, self.decoder.spec.n_layers)
+        if kind is None:
+            return []
+        row_steps = self.runner.layout.row_steps
+        points: dict[tuple, tuple[int, int]] = {}
+        for n in range(hi, lo - 1, -4):  # bucket edges sit on multiples of 16 at least: every one is met
+            for q in range(q_hi, q_lo - 1, -1):
+                body = n - prefix - q
+                if body < 32:
+                    continue
+                k = 0 if kind == "plain" or strat.ignores_ratio else min(body - 16, int(round(ratio * body)))
+                sizes = bucket_sizes(kind, n, q, k, row_steps)
+                points.setdefault(sizes[:1] if kind == "plain" else sizes, (n, q))  # the largest of each bucket
+        return list(points.values())
+
     def _question(self, question: Any, question_ids: Any) -> str | list[int]:
         """The request's question: its text, or the prompt tail's token ids (checked against the vocabulary)."""
         if question_ids is None:

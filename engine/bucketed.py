@@ -3,8 +3,11 @@
 Every RAG request brings a new layout (document count, lengths, which rows are recomputed), so a graph keyed by
 the exact layout almost never replays. Here the shapes of a prefill depend only on its *bucket*:
 
-- N: prompt rows, rounded up (8 steps per octave, so at most ~12% padding), keys past the prompt are masked by
-  position (they sit at positions >= n, after every real query);
+- N: prompt rows, rounded up, keys past the prompt are masked by position (they sit at positions >= n, after every
+  real query, so the attention kernels never visit them); 8 steps per octave for `full` (at most ~12% padding: it
+  computes every row), 2 for fused prefills, whose cost barely depends on N (they compute M + K rows, their
+  attention stops at the last real position; only the probe's scores and the top-k read N rows), 4 for
+  cacheblend's kind (its layers up to the check compute every row);
 - M: rows that are always computed (question, chat suffix, glue): at least 32, then 2 steps per octave;
 - K: document rows recomputed, rounded up (4 steps per octave; the real count is a device scalar);
 - V (qcfuse's compressed probe view): 4 steps per octave.
@@ -46,8 +49,10 @@ from .cudagraph import capture_graph
 from .fusion.base import SelectContext, signature
 from .sources import AssembledSource, PooledSource, PoolRows, pool_rows
 
-__all__ = ["bucket_size", "LayoutGraphs", "M_MIN", "M_STEPS", "K_STEPS", "V_STEPS"]
+__all__ = ["bucket_size", "bucket_sizes", "strategy_kind", "LayoutGraphs", "M_MIN", "M_STEPS", "K_STEPS", "V_STEPS", "FUSED_ROW_STEPS", "CHECK_ROW_STEPS"]
 
+FUSED_ROW_STEPS = 2     # prompt rows of a fused prefill: 2 sizes per octave (full: LayoutGraphs.row_steps)
+CHECK_ROW_STEPS = 4     # ... of one with a check layer (cacheblend: every row is computed up to it)
 M_MIN, M_STEPS = 32, 2  # always-computed rows: at least 32, then 2 sizes per octave
 K_STEPS = 4             # recomputed document rows: 4 sizes per octave
 V_STEPS = 4             # a compressed probe view's keys: 4 sizes per octave
@@ -63,6 +68,30 @@ def bucket_size(x: int, steps: int, minimum: int) -> int:
         return minimum
     grain = max(1, (1 << (x.bit_length() - 1)) // steps)
     return -(-x // grain) * grain
+
+
+def strategy_kind(strategy, n_layers: int) -> str | None:
+    """How the bucketed path runs a strategy: "plain" (full), "probe" (top-k after a question probe), "check"
+    (top-k at one check layer: cacheblend), "host" (chosen on the host from the layout), None (not eligible)."""
+    if not getattr(strategy, "layout_free", False):
+        return None
+    if not strategy.uses_cache:
+        return "plain"
+    if strategy.probe_layers(n_layers):
+        if strategy.check_layers(n_layers) or not hasattr(strategy, "scores"):
+            return None
+        return "probe"
+    if strategy.check_layers(n_layers):
+        if len(strategy.check_layers(n_layers)) != 1 or strategy.refine_scores is None:
+            return None
+        return "check"
+    return "host"
+
+
+def bucket_sizes(kind: str, n: int, m: int, k: int, row_steps: int = 8) -> tuple[int, int, int]:
+    """(N, M, K) bucket of a request of `kind` with n prompt rows, m always-computed and k recomputed rows."""
+    steps = {"plain": row_steps, "check": CHECK_ROW_STEPS}.get(kind, FUSED_ROW_STEPS)
+    return bucket_size(n, steps, 64), bucket_size(m, M_STEPS, M_MIN), bucket_size(k, K_STEPS, 16)
 
 
 @dataclass
@@ -144,6 +173,7 @@ class LayoutGraphs:
         self.seen: dict = {}
         self.entries: dict = {}
         self.failed: dict = {}  # bucket key -> why its capture failed (it runs eagerly for good)
+        self.capture_after = 2  # sightings of a bucket before it is captured (`FusionEngine.warmup` sets 1)
         self.pool = torch.cuda.graph_pool_handle() if self.graphs else None
         self.replays = self.captures = self.eager_runs = 0
 
@@ -160,26 +190,13 @@ class LayoutGraphs:
             pool = cached[0].kv.pool
             if len(pools) != 1 or pool is None or pool.k.device != self.dec.device:
                 return None
-        if not strategy.uses_cache:
-            kind = "plain"
-        elif not cached:  # nothing cached: the exact-size path is a plain prefill already
+        kind = strategy_kind(strategy, spec.n_layers)
+        if kind is None or (kind != "plain" and not cached):  # nothing cached: the exact path is a plain prefill
             return None
-        elif strategy.probe_layers(spec.n_layers):
-            if strategy.check_layers(spec.n_layers) or not hasattr(strategy, "scores"):
-                return None
-            kind = "probe"
-        elif strategy.check_layers(spec.n_layers):
-            if len(strategy.check_layers(spec.n_layers)) != 1 or strategy.refine_scores is None:
-                return None
-            kind = "check"
-        else:
-            kind = "host"
-        nb = bucket_size(n, self.row_steps, 64)
-        if pool is not None and nb >= pool.scratch_rows:  # the last scratch row is the trash row
+        if pool is not None and n >= pool.scratch_rows:  # slot p holds position p; the last one is the trash row
             return None
         must = plan.must_pos
         m = int(must.numel())
-        mb = bucket_size(m, M_STEPS, M_MIN)
         ctx = SelectContext(n_layers=spec.n_layers, ratio=ratio, candidates=plan.cand_host,
                             doc_spans=plan.doc_spans, question=must, budget_tokens=plan.budget_tokens,
                             doc_extras=[seg.kv.extras for seg in cached if seg.selectable and not seg.exact],
@@ -195,7 +212,7 @@ class LayoutGraphs:
             k = ctx.budget
             if k == 0 and kind == "probe":  # nothing to choose: the probe's answer is not needed
                 kind, chosen = "host", torch.zeros(0, dtype=torch.long)
-        kb = bucket_size(k, K_STEPS, 16)
+        nb, mb, kb = bucket_sizes(kind, n, m, k, self.row_steps)
         view = strategy.probe_keys(ctx) if kind == "probe" else None  # host work: the plan's own tensors
         if view is not None:
             view = torch.unique(torch.cat([view.cpu().long(), must.long()]))
@@ -351,7 +368,7 @@ class LayoutGraphs:
         entry = self.entries.get(h.key) if self.graphs else None
         if entry is None and self.graphs and h.key not in self.failed:
             self.seen[h.key] = self.seen.get(h.key, 0) + 1
-            if self.seen[h.key] >= 2:
+            if self.seen[h.key] >= self.capture_after:
                 entry = self._new_entry(h, strategy, ratio, pool)
         if entry is not None:
             self.entries[h.key] = self.entries.pop(h.key)  # most recently used last
@@ -382,7 +399,7 @@ class LayoutGraphs:
             size = spec.vocab * 4 + 8 * (h.nb + h.mb + h.kb + _Inputs.width(h.nb, h.mb, h.kb, h.vb))
         if self.entries and (len(self.entries) >= self.max_graphs or sum(self.sizes.values()) + size > self.max_bytes):
             self.reset()  # full: start over (rare; buckets are few)
-            self.seen[h.key] = 2
+            self.seen[h.key] = self.capture_after
         try:
             inp = _Inputs(h.packed.to(self.dec.device), h.nb, h.mb, h.kb, h.vb)
             sel_graph = None

@@ -67,6 +67,38 @@ def test_bucket_graphs_serve_new_layouts_like_eager(strategy):
     graphs.close()
 
 
+@pytest.mark.parametrize("strategy", ["full", "cacheblend", "infoflow"])
+def test_warmup_captures_the_buckets_of_a_range_so_new_requests_replay(strategy):
+    """After `warmup` over a range of prompt and tail lengths, never-seen requests in that range (random
+    documents, counts, lengths, tails) replay a graph on their first sight, capture nothing, and give the eager
+    padded prefill's tokens."""
+    from kvfuse import Document
+
+    eager = _engine("llama3", kv_tier="pool", cuda_graphs=False, memory_budget_bytes=64 << 20)
+    graphs = _engine("llama3", kv_tier="pool", cuda_graphs=True, memory_budget_bytes=64 << 20)
+    kw = dict(strategy=strategy, recompute_ratio=0.2, max_new_tokens=4)
+    stats = graphs.warmup(contexts=(200, 700), strategies=[strategy], question_tokens=(8, 40), ratios=[0.2])
+    assert stats["captured"] >= 1 and stats["requests"] >= stats["captured"]
+    assert graphs.cache_stats()["documents"] == 0 if "documents" in graphs.cache_stats() else True
+    lg = graphs.runner.layout if strategy == "full" else graphs.fused_runner.layout
+    lg.replays = lg.captures = lg.eager_runs = 0
+    g = torch.Generator().manual_seed(7)
+    vocab = graphs.decoder.spec.vocab
+    for i in range(6):
+        lens = torch.randint(40, 160, (int(torch.randint(2, 5, (1,), generator=g)),), generator=g).tolist()
+        docs = [Document(f"r{i}-{j}", token_ids=torch.randint(1, vocab - 1, (n,), generator=g).tolist())
+                for j, n in enumerate(lens)]
+        q = torch.randint(1, vocab - 1, (int(torch.randint(8, 41, (1,), generator=g)),), generator=g).tolist()
+        if not 200 <= sum(lens) + q.__len__() + len(graphs.prompts.prefix_ids) <= 700:
+            continue
+        ref = eager.generate(question_ids=q, docs=docs, **kw)
+        got = graphs.generate(question_ids=q, docs=docs, **kw)
+        assert got.token_ids == ref.token_ids
+    assert lg.captures == 0 and lg.eager_runs == 0 and lg.replays >= 1, (lg.replays, lg.captures, lg.eager_runs)
+    eager.close()
+    graphs.close()
+
+
 def test_cpu_reference_and_triton_engine_agree():
     cpu_model, tok, info = load_tiny("llama", dtype=torch.float32)
     cpu = FusionEngine(cpu_model, tok, EngineConfig(), model_fingerprint=info.fingerprint,
