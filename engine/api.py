@@ -489,22 +489,19 @@ class FusionEngine:
                        prefix: int) -> list[tuple[int, int]]:
         """(prompt tokens, tail tokens), one per shape bucket the range meets under `strat` at `ratio`, by the
         bucketed path's own arithmetic (`engine/bucketed.py`)."""
-        from .bucketed import bucket_sizes, strategy_kind
+        from .bucketed import plan_buckets, strategy_kind
+        from .fusion.base import budget_for
 
         kind = strategy_kind(strat, self.decoder.spec.n_layers)
         if kind is None:
             return []
-        row_steps = self.runner.layout.row_steps
-        points: dict[tuple, tuple[int, int]] = {}
-        for n in range(hi, lo - 1, -4):  # bucket edges sit on multiples of 16 at least: every one is met
-            for q in range(q_hi, q_lo - 1, -1):
-                body = n - prefix - q
-                if body < 32:
-                    continue
-                k = 0 if kind == "plain" or strat.ignores_ratio else min(body - 16, int(round(ratio * body)))
-                sizes = bucket_sizes(kind, n, q, k, row_steps)
-                points.setdefault(sizes[:1] if kind == "plain" else sizes, (n, q))  # the largest of each bucket
-        return list(points.values())
+        fixed = kind == "plain" or strat.ignores_ratio
+        # the selection's budget (SelectContext.budget_at): a share of every document row, at most the candidates
+        # (the synthetic first document, 16 rows, is exact)
+        def k_of(body: int) -> int:
+            return 0 if fixed else min(body - 16, budget_for(ratio, body))
+
+        return list(plan_buckets(kind, lo, hi, q_lo, q_hi, prefix, k_of, self.runner.layout.row_steps).values())
 
     def _question(self, question: Any, question_ids: Any) -> str | list[int]:
         """The request's question: its text, or the prompt tail's token ids (checked against the vocabulary)."""
@@ -608,10 +605,17 @@ class FusionEngine:
     def serving_stats(self) -> dict[str, int]:
         """Scheduler gauges for a server's metrics: `running` (requests decoding), `queued` (waiting for a slot),
         `batch_size` (requests in the last decode step), `pool_rows_used` / `pool_rows_total` (KV rows of the GPU
-        pool or decode arena), `requests_done`."""
+        pool or decode arena), `requests_done`; with CUDA graphs also `prefill_graph_replays`,
+        `prefill_graph_captures` and `prefill_eager_runs` (bucketed prefills by how they ran)."""
         pool = self.decoding.arena.pool
         stats = self.scheduler.stats()
         stats.update(pool_rows_used=pool.doc_rows - pool.free_rows, pool_rows_total=pool.doc_rows)
+        layouts = {id(r.layout): r.layout for r in (self.runner, self.fused_runner)
+                   if r.layout is not None and r.layout.graphs}
+        if layouts:  # prefills of the bucketed path by how they ran: a graph replayed, captured, or eager
+            stats.update(prefill_graph_replays=sum(g.replays for g in layouts.values()),
+                         prefill_graph_captures=sum(g.captures for g in layouts.values()),
+                         prefill_eager_runs=sum(g.eager_runs for g in layouts.values()))
         return stats
 
     def shutdown(self, timeout: float | None = None) -> None:

@@ -49,7 +49,7 @@ from .cudagraph import capture_graph
 from .fusion.base import SelectContext, signature
 from .sources import AssembledSource, PooledSource, PoolRows, pool_rows
 
-__all__ = ["bucket_size", "bucket_sizes", "strategy_kind", "LayoutGraphs", "M_MIN", "M_STEPS", "K_STEPS", "V_STEPS", "FUSED_ROW_STEPS", "CHECK_ROW_STEPS"]
+__all__ = ["bucket_size", "bucket_sizes", "monotone_runs", "plan_buckets", "strategy_kind", "LayoutGraphs", "M_MIN", "M_STEPS", "K_STEPS", "V_STEPS", "FUSED_ROW_STEPS", "CHECK_ROW_STEPS"]
 
 FUSED_ROW_STEPS = 2     # prompt rows of a fused prefill: 2 sizes per octave (full: LayoutGraphs.row_steps)
 CHECK_ROW_STEPS = 4     # ... of one with a check layer (cacheblend: every row is computed up to it)
@@ -92,6 +92,49 @@ def bucket_sizes(kind: str, n: int, m: int, k: int, row_steps: int = 8) -> tuple
     """(N, M, K) bucket of a request of `kind` with n prompt rows, m always-computed and k recomputed rows."""
     steps = {"plain": row_steps, "check": CHECK_ROW_STEPS}.get(kind, FUSED_ROW_STEPS)
     return bucket_size(n, steps, 64), bucket_size(m, M_STEPS, M_MIN), bucket_size(k, K_STEPS, 16)
+
+
+def monotone_runs(f, lo: int, hi: int) -> list[tuple[int, int]]:
+    """The maximal runs [a, b] of [lo, hi] on which a nondecreasing integer function f is constant, largest
+    first, found by bisection (O(runs x log range) calls of f, not one per integer)."""
+    runs: list[tuple[int, int]] = []
+    b = hi
+    while b >= lo:
+        v, a, top = f(b), lo, b
+        while a < top:  # the smallest x in [a, b] with f(x) == f(b)
+            mid = (a + top) // 2
+            if f(mid) == v:
+                top = mid
+            else:
+                a = mid + 1
+        runs.append((a, b))
+        b = a - 1
+    return runs
+
+
+def plan_buckets(kind: str, lo: int, hi: int, q_lo: int, q_hi: int, prefix: int, k_of,
+                 row_steps: int = 8, min_body: int = 32) -> dict[tuple, tuple[int, int]]:
+    """One (prompt rows, tail rows) request per shape bucket that requests of `kind` with lo..hi prompt rows and
+    q_lo..q_hi tail rows meet, the largest of each bucket; k_of(body) is the recomputed rows of a request with
+    `body` document rows (nondecreasing). Keys are `bucket_sizes`' (N alone for "plain"). Every integer pair of
+    the ranges is covered: within one (N, M) bucket the body n - prefix - q takes every value of an interval,
+    and K follows it monotonically."""
+    steps = {"plain": row_steps, "check": CHECK_ROW_STEPS}.get(kind, FUSED_ROW_STEPS)
+    points: dict[tuple, tuple[int, int]] = {}
+    m_runs = [(q_lo, q_hi)] if kind == "plain" else monotone_runs(lambda q: bucket_size(q, M_STEPS, M_MIN), q_lo, q_hi)
+    for n0, n1 in monotone_runs(lambda n: bucket_size(n, steps, 64), lo, hi):
+        for q0, q1 in m_runs:
+            b_lo, b_hi = max(min_body, n0 - prefix - q1), n1 - prefix - q0
+            if b_lo > b_hi:
+                continue
+            k_runs = [(b_lo, b_hi)] if kind == "plain" else \
+                monotone_runs(lambda b: bucket_size(k_of(b), K_STEPS, 16), b_lo, b_hi)
+            for _, body in k_runs:
+                n = min(n1, body + prefix + q1)
+                q = n - prefix - body
+                sizes = bucket_sizes(kind, n, q, k_of(body), row_steps)
+                points.setdefault(sizes[:1] if kind == "plain" else sizes, (n, q))
+    return points
 
 
 @dataclass

@@ -372,6 +372,51 @@ def cmd_ask(args) -> int:
     return 0
 
 
+def _span(value: str, flag: str, minimum: int) -> tuple[int, int]:
+    """A "LO:HI" range of token counts (or one count N, meaning N:N)."""
+    from kvfuse.engine.validate import check_int
+
+    parts = value.split(":")
+    try:
+        lo, hi = (int(parts[0]), int(parts[-1])) if len(parts) <= 2 else (None, None)
+    except ValueError:
+        lo = hi = None
+    if lo is None:
+        raise CliError(f"{flag}: expected LO:HI token counts (e.g. 1024:8192), got {value!r}")
+    check_int(lo, flag, minimum=minimum)
+    check_int(hi, flag, minimum=minimum)
+    if lo > hi:
+        raise CliError(f"{flag}: {value!r} is not (shortest):(longest)")
+    return lo, hi
+
+
+def _warmup_args(args) -> dict | None:
+    """`FusionEngine.warmup`'s arguments from serve's --warmup options (None without --warmup), checked before the
+    model loads."""
+    if args.warmup is None:
+        if args.warmup_strategies or args.warmup_questions or args.warmup_ratios:
+            raise CliError("--warmup-strategies, --warmup-questions and --warmup-ratios need --warmup LO:HI")
+        return None
+    from kvfuse.engine.fusion import DEFAULT_STRATEGY, make_strategy
+    from kvfuse.engine.validate import check_real
+
+    names = [n.strip() for n in (args.warmup_strategies or DEFAULT_STRATEGY).split(",") if n.strip()]
+    for n in names:
+        try:
+            make_strategy(n)
+        except ValueError as e:
+            raise CliError(f"--warmup-strategies: {e}") from None
+    try:
+        ratios = [float(r) for r in (args.warmup_ratios or "0.15").split(",")]
+    except ValueError:
+        raise CliError(f"--warmup-ratios: expected numbers in [0, 1], got {args.warmup_ratios!r}") from None
+    for r in ratios:
+        check_real(r, "--warmup-ratios", low=0.0, high=1.0)
+    return dict(contexts=_span(args.warmup, "--warmup", 64),
+                question_tokens=_span(args.warmup_questions or "16:128", "--warmup-questions", 1),
+                strategies=names, ratios=ratios)
+
+
 def cmd_serve(args) -> int:
     try:
         from kvfuse.server import create_app, serve
@@ -386,6 +431,7 @@ def cmd_serve(args) -> int:
     if args.memory_budget is not None:
         _size(args.memory_budget, "--memory-budget")
     api_key = args.api_key if args.api_key is not None else os.environ.get("KVFUSE_API_KEY") or None
+    warm = _warmup_args(args)  # checked before the model loads
     docs = _load_docs(args.documents) if args.documents else []
     _check_model_args(args)
     front = None
@@ -401,8 +447,17 @@ def cmd_serve(args) -> int:
         rep = engine.precompute(docs)
         print(f"kvfuse: {len(docs)} documents: {rep.misses} computed, {rep.hits} already cached", file=sys.stderr,
               flush=True)
+    warmed = None
+    if warm is not None:
+        warmed = engine.warmup(**warm)
+        if warmed["requests"]:
+            print(f"kvfuse: warm-up: {warmed['requests']} requests, {warmed['captured']} prefill graphs captured in "
+                  f"{warmed['seconds']:.1f} s", file=sys.stderr, flush=True)
+        else:
+            print("kvfuse: warm-up: nothing to capture (no CUDA graphs on this device)", file=sys.stderr, flush=True)
     app = create_app(engine, model_name=args.served_model_name, api_key=api_key, max_pending=args.max_pending,
                      default_max_tokens=args.max_tokens, owns_engine=True)
+    app.state.kvfuse.warmup = warmed
     if docs:  # requests may name them by id
         from kvfuse.engine.types import as_documents
 
@@ -593,6 +648,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     p.add_argument("--front", default=None, help="a measured front (kvfuse front) for strategy 'auto', instead of "
                                                 "the one shipped for the model")
+    p.add_argument("--warmup", default=None, metavar="LO:HI",
+                   help="before serving, capture the CUDA graphs of every shape bucket of prompts of LO to HI tokens, "
+                        "so that even a never-seen layout's first request replays one (e.g. 1024:8192; nothing to "
+                        "do without CUDA graphs)")
+    p.add_argument("--warmup-strategies", default=None,
+                   help="comma-separated strategies to warm (default: the engine's default strategy)")
+    p.add_argument("--warmup-questions", default=None, metavar="LO:HI",
+                   help="question lengths to warm, in prompt-tail tokens (default 16:128)")
+    p.add_argument("--warmup-ratios", default=None, help="comma-separated recompute ratios to warm (default 0.15)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("route", help="one OpenAI-compatible front over several `kvfuse serve` replicas, routing each "

@@ -23,12 +23,13 @@ is wrong) and fp32->bf16 casts are rounded to nearest even explicitly (the inter
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from kvfuse.kernels._triton.common import round_to  # fp32 -> dt rounded to nearest even, as torch
+from kvfuse.kernels.dispatch import triton_interpreting as _interpreting
 
 try:  # host-side TMA descriptors (triton >= 3.3)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -39,10 +40,6 @@ try:  # accurate expf (the one torch's CUDA silu uses); the interpreter has no l
     from triton.language.extra import libdevice
 except ImportError:  # pragma: no cover
     libdevice = None
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 # --------------------------------------------------------------------------------------------
@@ -85,27 +82,16 @@ _CONFIG_KEYS = set(DEFAULT_CONFIG)
 # Device helpers
 # --------------------------------------------------------------------------------------------
 @triton.jit
-def _round_to(x, dt: tl.constexpr, EMULATE_RNE: tl.constexpr):
-    """fp32 -> dt, round to nearest even (done by hand for bf16 in the interpreter, which truncates)."""
-    if EMULATE_RNE:
-        if dt == tl.bfloat16:
-            bits = x.to(tl.uint32, bitcast=True)
-            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-            x = bits.to(tl.float32, bitcast=True)
-    return x.to(dt)
-
-
-@triton.jit
 def _silu_mul_epilogue(acc_g, acc_u, dt: tl.constexpr, EMULATE_RNE: tl.constexpr, PRECISE: tl.constexpr):
     """round(round(silu(round(g))) * round(u)), every op in fp32, every rounding to dt (as torch)."""
-    g = _round_to(acc_g, dt, EMULATE_RNE).to(tl.float32)
-    u = _round_to(acc_u, dt, EMULATE_RNE).to(tl.float32)
+    g = round_to(acc_g, dt, EMULATE_RNE).to(tl.float32)
+    u = round_to(acc_u, dt, EMULATE_RNE).to(tl.float32)
     if PRECISE:   # torch: x / (1 + expf(-x)) with an IEEE division
         e = libdevice.exp(-g)
     else:
         e = tl.exp(-g)
-    a = _round_to(tl.math.div_rn(g, 1.0 + e), dt, EMULATE_RNE).to(tl.float32)
-    return _round_to(a * u, dt, EMULATE_RNE)
+    a = round_to(tl.math.div_rn(g, 1.0 + e), dt, EMULATE_RNE).to(tl.float32)
+    return round_to(a * u, dt, EMULATE_RNE)
 
 
 @triton.jit

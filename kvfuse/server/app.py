@@ -55,6 +55,7 @@ class ServerState:
         self.metrics = ServerMetrics(engine)
         self.created = int(time.time())
         self.loop: asyncio.AbstractEventLoop | None = None  # the serving loop, once started
+        self.warmup: dict | None = None  # what `engine.warmup` did before serving (kvfuse serve --warmup)
 
     # -- admission --------------------------------------------------------------------------------------
     def admit(self) -> None:
@@ -434,7 +435,10 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
     async def health():
         if state.draining:
             return JSONResponse({"status": "draining"}, status_code=503, headers={"Retry-After": "1"})
-        return {"status": "ok", "model": state.model_name, "in_flight": state.pending}
+        out = {"status": "ok", "model": state.model_name, "in_flight": state.pending}
+        if state.warmup is not None:
+            out["warmup"] = state.warmup
+        return out
 
     @app.get("/metrics")
     async def metrics():

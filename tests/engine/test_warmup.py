@@ -8,7 +8,7 @@ import pytest
 from fixtures import load_tiny
 
 from kvfuse.engine.api import FusionEngine
-from kvfuse.engine.bucketed import bucket_sizes, strategy_kind
+from kvfuse.engine.bucketed import bucket_sizes, monotone_runs, plan_buckets, strategy_kind
 from kvfuse.engine.config import EngineConfig
 from kvfuse.engine.fusion import make_strategy
 
@@ -60,3 +60,33 @@ def test_planned_requests_cover_every_bucket_of_the_range(engine, name):
     # a wrong plan misses: the same check against a plan of a narrower range fails
     narrow = {key(n, q) for n, q in engine._warmup_points(strat, 0.15, 300, 700, 8, 60, prefix)}
     assert any(key(n, q) not in narrow for n, q in [(1500, 60), (1400, 8)])
+
+
+def test_monotone_runs_split_a_range_where_the_function_steps():
+    f = lambda x: x // 10  # noqa: E731
+    assert monotone_runs(f, 5, 34) == [(30, 34), (20, 29), (10, 19), (5, 9)]
+    assert monotone_runs(f, 7, 7) == [(7, 7)]
+    assert monotone_runs(f, 8, 7) == []
+
+
+@pytest.mark.parametrize("kind", ["plain", "probe", "check"])
+def test_the_bucket_plan_equals_an_exhaustive_scan_and_stays_cheap_at_128k(kind):
+    prefix, ratio = 20, 0.15
+    calls = 0
+
+    def k_of(body):
+        nonlocal calls
+        calls += 1
+        return 0 if kind == "plain" else min(body - 16, round(ratio * body))
+
+    def key(n, q):
+        sizes = bucket_sizes(kind, n, q, k_of(n - prefix - q))
+        return sizes[:1] if kind == "plain" else sizes
+
+    plan = plan_buckets(kind, 200, 900, 5, 70, prefix, k_of)
+    every = {key(n, q) for n in range(200, 901) for q in range(5, 71) if n - prefix - q >= 32}
+    assert set(plan) == every
+    assert all(key(n, q) == k for k, (n, q) in plan.items())  # each planned request lands in its own bucket
+    calls = 0
+    big = plan_buckets(kind, 1024, 131072, 16, 128, prefix, k_of)
+    assert len(big) > 10 and calls < 20000  # bisection, not a scan of ~130k x 112 pairs
