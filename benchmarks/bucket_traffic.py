@@ -48,7 +48,8 @@ def requests(count: int, docs: tuple[int, int], doc_tokens: tuple[int, int], que
 
 
 def simulate(stream, key, max_graphs: int, tail: int) -> dict:
-    """The keep/capture policy of `LayoutGraphs.run` (capture at the second sight; when full, start over)."""
+    """The keep/capture policy of `LayoutGraphs.run` (capture at the second sight; when full, the least recently
+    used bucket is dropped; a dropped bucket seen again is captured at once)."""
     kept, seen = collections.OrderedDict(), collections.Counter()
     counts = collections.Counter()
     rows = 0.0
@@ -65,8 +66,7 @@ def simulate(stream, key, max_graphs: int, tail: int) -> dict:
         seen[b] += 1
         if seen[b] >= 2:
             if len(kept) >= max_graphs:
-                kept.clear()  # LayoutGraphs.reset(): the graphs share one memory pool, so they go together
-                seen[b] = 2
+                kept.popitem(last=False)  # LayoutGraphs.make_room: the least recently used bucket goes
             kept[b] = True
             counts["capture"] += counted
         else:
@@ -76,7 +76,8 @@ def simulate(stream, key, max_graphs: int, tail: int) -> dict:
 
 
 def main() -> int:
-    from kvfuse.engine.bucketed import K_STEPS, M_MIN, M_STEPS, LayoutGraphs, bucket_size
+    from kvfuse.engine.bucketed import (FUSED_ROW_STEPS, K_STEPS, M_MIN, M_STEPS, LayoutGraphs, bucket_size,
+                                        bucket_sizes)
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=3000)
@@ -94,9 +95,8 @@ def main() -> int:
     rules = {
         "before: M 4/oct from 16, K 8/oct, 24 graphs": (
             lambda n, m, k: (bucket_size(n, 8, 64), bucket_size(m, 4, 16), bucket_size(k, 8, 16)), 24),
-        f"now: M {M_STEPS}/oct from {M_MIN}, K {K_STEPS}/oct, {default_graphs} graphs": (
-            lambda n, m, k: (bucket_size(n, row_steps, 64), bucket_size(m, M_STEPS, M_MIN),
-                             bucket_size(k, K_STEPS, 16)),
+        f"now (a probe strategy): N {FUSED_ROW_STEPS}/oct, M {M_STEPS}/oct from {M_MIN}, K {K_STEPS}/oct, "
+        f"{default_graphs} graphs": (lambda n, m, k: bucket_sizes("probe", n, m, k, row_steps),
             default_graphs),
     }
     print(f"{args.requests} requests: {args.docs} documents of {args.doc_tokens} tokens, questions of "

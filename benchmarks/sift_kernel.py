@@ -7,6 +7,9 @@ SDPA's dense causal attention (flash) and beside the same kernel given every blo
 count the useful work only: 4 * D * Hq per visible (query, key) pair, causal pairs inside listed blocks.
 
     python benchmarks/sift_kernel.py --t 8192 32768 --density 0.25 0.5 0.75 --out sift_kernel.csv
+
+`--flex` adds torch's FlexAttention (torch.compile'd, `BlockMask.from_kv_blocks` over the same block lists: listed
+off-diagonal blocks as full blocks, the diagonal causal) beside it, with its first-call (compile) time.
 """
 from __future__ import annotations
 
@@ -44,12 +47,36 @@ def useful_flops(keep: torch.Tensor, t: int, bs: int) -> float:
     return 4.0 * D * HQ * pairs
 
 
+def flex_block_mask(keep: torch.Tensor, t: int, bs: int, device):
+    """FlexAttention's BlockMask for block lists `keep` [nb, nb] (bool): off-diagonal blocks full, diagonal
+    causal."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    nb = keep.shape[0]
+    diag = torch.eye(nb, dtype=torch.bool)
+
+    def pack(m):
+        counts = m.sum(1).to(torch.int32)
+        idx = torch.argsort((~m).to(torch.int8), dim=1, stable=True).to(torch.int32)  # listed blocks first
+        return counts[None, None].to(device), idx[None, None].contiguous().to(device)
+
+    kvn, kvi = pack(keep & diag)
+    fn, fi = pack(keep & ~diag)
+    listed = keep.to(device)
+
+    def mask_mod(b, h, q, kv):  # the whole mask (flex's eager path applies it everywhere; compiled, on partial blocks)
+        return (q >= kv) & listed[q // bs, kv // bs]
+
+    return BlockMask.from_kv_blocks(kvn, kvi, fn, fi, BLOCK_SIZE=bs, mask_mod=mask_mod, seq_lengths=(t, t))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--t", type=int, nargs="+", default=[8192, 32768])
     ap.add_argument("--density", type=float, nargs="+", default=[0.25, 0.5, 0.75])
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--out", default="sift_kernel.csv")
+    ap.add_argument("--flex", action="store_true", help="also time torch FlexAttention over the same lists")
     args = ap.parse_args()
     import triton.testing
 
@@ -87,13 +114,32 @@ def main() -> int:
             ms = triton.testing.do_bench(lambda: block_sparse_attention_triton(q, k, v, bl, bc, bs, scale),
                                          warmup=10, rep=50)
             fl = useful_flops(keep, t, bs)
-            rows.append(dict(t=t, density=d, block_density=round(fl / dense_flops, 4), sdpa_causal_ms=ms_dense,
-                             kernel_ms=ms, kernel_tflops=fl / ms / 1e9, sdpa_tflops=dense_flops / ms_dense / 1e9,
-                             speedup_vs_sdpa=ms_dense / ms, max_err=err))
+            row = dict(t=t, density=d, block_density=round(fl / dense_flops, 4), sdpa_causal_ms=ms_dense,
+                       kernel_ms=ms, kernel_tflops=fl / ms / 1e9, sdpa_tflops=dense_flops / ms_dense / 1e9,
+                       speedup_vs_sdpa=ms_dense / ms, max_err=err)
+            if args.flex:
+                import time
+
+                from torch.nn.attention.flex_attention import flex_attention
+
+                flex = torch.compile(flex_attention, dynamic=False)
+                mask = flex_block_mask(keep, t, bs, dev)
+                t0 = time.perf_counter()
+                got = flex(qh, kh, vh, block_mask=mask, scale=scale, enable_gqa=True)
+                torch.cuda.synchronize()
+                first_s = time.perf_counter() - t0
+                ours = block_sparse_attention_triton(q, k, v, bl, bc, bs, scale)
+                ferr = (got[0].transpose(0, 1).float() - ours.float()).abs().max().item()
+                bad += ferr > 2e-2
+                fms = triton.testing.do_bench(lambda: flex(qh, kh, vh, block_mask=mask, scale=scale,
+                                                           enable_gqa=True), warmup=10, rep=50)
+                row.update(flex_ms=fms, flex_tflops=fl / fms / 1e9, kernel_over_flex=ms / fms, flex_first_s=first_s,
+                           flex_err_vs_kernel=ferr)
+            rows.append(row)
         for r in rows[-1 - len(args.density):]:
             print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()), flush=True)
     with open(args.out, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
         w.writeheader()
         w.writerows(rows)
     return 1 if bad else 0

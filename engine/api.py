@@ -454,28 +454,27 @@ class FusionEngine:
         before = sum(r.layout.captures for r in runners.values())
         prefix = len(self.prompts.prefix_ids)
         vocab = self.decoder.spec.vocab
+        plan = self._warmup_plan(strats, ratios, lo, hi, q_lo, q_hi, prefix)  # checked before any work
         g = torch.Generator().manual_seed(0)
         made: list[str] = []
         count = 0
         for r in runners.values():
             r.layout.capture_after = 1
         try:
-            for strat in strats:
-                reads_ratio = strat.uses_cache and not getattr(strat, "ignores_ratio", False)
-                for ratio in (ratios if reads_ratio else ratios[:1]):
-                    for n, q in self._warmup_points(strat, ratio, lo, hi, q_lo, q_hi, prefix):
-                        body = n - prefix - q  # a 16-token first document (exact), then doc_tokens each
-                        sizes = [16] + [doc_tokens] * ((body - 16) // doc_tokens)
-                        if body - sum(sizes) > 0:
-                            sizes.append(body - sum(sizes))
-                        docs = [Document(f"kvfuse-warmup-{len(made) + i}",
-                                         token_ids=torch.randint(1, vocab - 1, (s,), generator=g).tolist())
-                                for i, s in enumerate(sizes)]
-                        made += [d.id for d in docs]
-                        ids = torch.randint(1, vocab - 1, (q,), generator=g).tolist()
-                        self.generate(question_ids=ids, docs=docs, strategy=strat, recompute_ratio=ratio,
-                                      max_new_tokens=1)
-                        count += 1
+            for strat, ratio, points in plan:
+                for n, q in points:
+                    body = n - prefix - q  # a 16-token first document (exact), then doc_tokens each
+                    sizes = [16] + [doc_tokens] * ((body - 16) // doc_tokens)
+                    if body - sum(sizes) > 0:
+                        sizes.append(body - sum(sizes))
+                    docs = [Document(f"kvfuse-warmup-{len(made) + i}",
+                                     token_ids=torch.randint(1, vocab - 1, (s,), generator=g).tolist())
+                            for i, s in enumerate(sizes)]
+                    made += [d.id for d in docs]
+                    ids = torch.randint(1, vocab - 1, (q,), generator=g).tolist()
+                    self.generate(question_ids=ids, docs=docs, strategy=strat, recompute_ratio=ratio,
+                                  max_new_tokens=1)
+                    count += 1
         finally:
             for r in runners.values():
                 r.layout.capture_after = 2
@@ -485,23 +484,60 @@ class FusionEngine:
                 "graphs": sum(len(r.layout.entries) for r in runners.values()),
                 "seconds": time.perf_counter() - t0}
 
+    def _warmup_plan(self, strats: list[Strategy], ratios: list[float], lo: int, hi: int, q_lo: int, q_hi: int,
+                     prefix: int) -> list[tuple[Strategy, float, list[tuple[int, int]]]]:
+        """[(strategy, ratio, its (prompt, tail) points)] of a warm-up; ValueError when the buckets would not all
+        stay captured (more graphs or graph-output bytes than a runner keeps: the first ones would be dropped by
+        the last ones)."""
+        from .fusion.base import signature
+
+        plan = []
+        load: dict[int, tuple[int, int]] = {}  # per bucketed runner: (graphs, bytes) planned
+        planned: set = set()  # graph keys (a bucket is one graph whatever the ratio that met it)
+        for strat in strats:
+            layout = self.prefill_runner(strat).layout
+            reads_ratio = strat.uses_cache and not getattr(strat, "ignores_ratio", False)
+            for ratio in (ratios if reads_ratio else ratios[:1]):
+                kind, buckets = self._warmup_buckets(strat, ratio, lo, hi, q_lo, q_hi, prefix)
+                new = {b: p for b, p in buckets.items() if (signature(strat), id(layout), b) not in planned}
+                planned.update((signature(strat), id(layout), b) for b in new)
+                plan.append((strat, ratio, list(new.values())))
+                if layout is None or not layout.graphs or not new:
+                    continue
+                graphs, nbytes = load.get(id(layout), (0, 0))
+                graphs += len(new)
+                nbytes += sum(layout.entry_bytes(kind, *(tuple(b) + (0, 0))[:3]) for b in new)
+                load[id(layout)] = (graphs, nbytes)
+                if graphs > layout.max_graphs or nbytes > layout.max_bytes:
+                    raise ValueError(
+                        f"warmup: these ranges meet {graphs} shape buckets holding {nbytes / 2**30:.2f} GiB of graph "
+                        f"outputs, more than the engine keeps ({layout.max_graphs} graphs, "
+                        f"{layout.max_bytes / 2**30:.2f} GiB), so the last would drop the first; narrow the context "
+                        f"or question range, or warm fewer strategies or ratios")
+        return plan
+
     def _warmup_points(self, strat: Strategy, ratio: float, lo: int, hi: int, q_lo: int, q_hi: int,
                        prefix: int) -> list[tuple[int, int]]:
         """(prompt tokens, tail tokens), one per shape bucket the range meets under `strat` at `ratio`, by the
         bucketed path's own arithmetic (`engine/bucketed.py`)."""
+        return list(self._warmup_buckets(strat, ratio, lo, hi, q_lo, q_hi, prefix)[1].values())
+
+    def _warmup_buckets(self, strat: Strategy, ratio: float, lo: int, hi: int, q_lo: int, q_hi: int,
+                        prefix: int) -> tuple[str | None, dict]:
+        """(the strategy's bucketed kind, {bucket sizes: (prompt tokens, tail tokens)}) of `_warmup_points`."""
         from .bucketed import plan_buckets, strategy_kind
         from .fusion.base import budget_for
 
         kind = strategy_kind(strat, self.decoder.spec.n_layers)
         if kind is None:
-            return []
+            return None, {}
         fixed = kind == "plain" or strat.ignores_ratio
         # the selection's budget (SelectContext.budget_at): a share of every document row, at most the candidates
         # (the synthetic first document, 16 rows, is exact)
         def k_of(body: int) -> int:
             return 0 if fixed else min(body - 16, budget_for(ratio, body))
 
-        return list(plan_buckets(kind, lo, hi, q_lo, q_hi, prefix, k_of, self.runner.layout.row_steps).values())
+        return kind, plan_buckets(kind, lo, hi, q_lo, q_hi, prefix, k_of, self.runner.layout.row_steps)
 
     def _question(self, question: Any, question_ids: Any) -> str | list[int]:
         """The request's question: its text, or the prompt tail's token ids (checked against the vocabulary)."""

@@ -18,7 +18,9 @@ graphs, a simulated stream of 3-10 documents of 128-1024 tokens and 10-120-token
 in steady state, 90% of its requests paid a capture (the cache filled, started over, filled again); with these
 steps and 512 graphs, 210 buckets and 97% replays, for 11% more computed rows (`benchmarks/bucket_traffic.py`). A
 fused bucket's graph holds no per-layer outputs (its fresh K/V stay in the pool's scratch rows and are read when
-the sequence opens), so hundreds fit in memory.
+the sequence opens), so hundreds fit in memory. When the cache is full (`max_graphs`, or `max_bytes` of static
+outputs) the least recently used bucket is dropped, not all of them (`LayoutGraphs.make_room`): graphs replay one
+at a time, so a dropped bucket's outputs go back to the shared memory pool for later captures to reuse.
 
 The layout (token ids, the pool row of every position, the candidate mask, the always-computed positions, the
 number of rows to keep) is copied into static buffers; padded query rows carry position -1, so they see no key,
@@ -219,6 +221,7 @@ class LayoutGraphs:
         self.capture_after = 2  # sightings of a bucket before it is captured (`FusionEngine.warmup` sets 1)
         self.pool = torch.cuda.graph_pool_handle() if self.graphs else None
         self.replays = self.captures = self.eager_runs = 0
+        self.evictions = 0  # buckets dropped to make room (least recently used first)
 
     # -- host side --------------------------------------------------------------------------------------
     def plan(self, plan, ids: Tensor, strategy, ratio: float) -> _Host | None:
@@ -396,7 +399,7 @@ class LayoutGraphs:
         return self._main(h, inp, chosen, strategy, pool)
 
     def reset(self) -> None:
-        """Drops every captured bucket (they share one memory pool, so they go together) and starts a new pool."""
+        """Drops every captured bucket and starts a new memory pool (the old one is freed with its last graph)."""
         self.entries.clear()
         self.sizes.clear()
         self.seen.clear()
@@ -434,15 +437,31 @@ class LayoutGraphs:
             logits, fresh, act, recomputed = self._body(h, inp, strategy, ratio, pool, "main")
         return self._outputs(h, inp, logits.clone(), fresh, act, recomputed)
 
-    def _new_entry(self, h: _Host, strategy, ratio: float, pool):
+    def entry_bytes(self, kind: str, nb: int, mb: int, kb: int, vb: int = 0) -> int:
+        """Bytes of a captured bucket's static outputs (what `max_bytes` bounds)."""
         spec = self.spec
-        if h.kind == "plain":  # its per-layer K/V are the graph's outputs
-            size = h.nb * spec.n_layers * 2 * spec.n_kv_heads * spec.head_dim * self.dec.embed.element_size()
-        else:  # logits, index vectors and the static inputs only: the fresh K/V stay in the pool
-            size = spec.vocab * 4 + 8 * (h.nb + h.mb + h.kb + _Inputs.width(h.nb, h.mb, h.kb, h.vb))
-        if self.entries and (len(self.entries) >= self.max_graphs or sum(self.sizes.values()) + size > self.max_bytes):
-            self.reset()  # full: start over (rare; buckets are few)
-            self.seen[h.key] = self.capture_after
+        if kind == "plain":  # its per-layer K/V are the graph's outputs
+            return nb * spec.n_layers * 2 * spec.n_kv_heads * spec.head_dim * self.dec.embed.element_size()
+        # logits, index vectors and the static inputs only: the fresh K/V stay in the pool
+        return spec.vocab * 4 + 8 * (nb + mb + kb + _Inputs.width(nb, mb, kb, vb))
+
+    def make_room(self, size: int) -> list:
+        """Drops the least recently used buckets until one more of `size` bytes fits both bounds; returns their
+        keys. Their static outputs go back to the shared pool, where later captures reuse the memory (graphs are
+        replayed one at a time, so buckets never run concurrently)."""
+        dropped = []
+        while self.entries and (len(self.entries) >= self.max_graphs
+                                or sum(self.sizes.values()) + size > self.max_bytes):
+            key = next(iter(self.entries))  # `run` moves a bucket to the end on every use
+            del self.entries[key]
+            self.sizes.pop(key, None)  # its sightings are kept: seen again, it is captured at once
+            dropped.append(key)
+        self.evictions += len(dropped)
+        return dropped
+
+    def _new_entry(self, h: _Host, strategy, ratio: float, pool):
+        size = self.entry_bytes(h.kind, h.nb, h.mb, h.kb, h.vb)
+        self.make_room(size)
         try:
             inp = _Inputs(h.packed.to(self.dec.device), h.nb, h.mb, h.kb, h.vb)
             sel_graph = None

@@ -90,3 +90,68 @@ def test_the_bucket_plan_equals_an_exhaustive_scan_and_stays_cheap_at_128k(kind)
     calls = 0
     big = plan_buckets(kind, 1024, 131072, 16, 128, prefix, k_of)
     assert len(big) > 10 and calls < 20000  # bisection, not a scan of ~130k x 112 pairs
+
+
+def _cpu_layout(engine):
+    from kvfuse.engine.bucketed import LayoutGraphs
+
+    if engine.runner.layout is None:  # CPU: the bucketed path is off; its bookkeeping is plain host code
+        engine.runner.layout = LayoutGraphs(engine.runner, graphs=False)
+    return engine.runner.layout
+
+
+def test_a_full_bucket_cache_drops_the_least_recently_used_bucket_not_all(engine):
+    lg = _cpu_layout(engine)
+    saved = (dict(lg.entries), dict(lg.sizes), lg.max_graphs, lg.max_bytes, lg.evictions)
+    try:
+        lg.entries.clear()
+        lg.sizes.clear()
+        lg.max_graphs, lg.max_bytes = 3, 1000
+        for key in "abc":
+            lg.entries[key], lg.sizes[key] = object(), 100
+        lg.entries["a"] = lg.entries.pop("a")  # "a" was just used (run() moves it last): "b" is the oldest now
+        assert lg.make_room(100) == ["b"] and list(lg.entries) == ["c", "a"]
+        lg.entries["d"], lg.sizes["d"] = object(), 100
+        assert lg.make_room(850) == ["c", "a"] and list(lg.entries) == ["d"]  # the byte bound: 100 + 850 <= 1000
+        assert lg.make_room(10) == [] and lg.evictions - saved[4] == 3
+    finally:
+        lg.entries.clear()
+        lg.entries.update(saved[0])
+        lg.sizes.clear()
+        lg.sizes.update(saved[1])
+        lg.max_graphs, lg.max_bytes = saved[2], saved[3]
+
+
+def test_a_warmup_that_would_drop_its_own_graphs_is_refused_before_any_work(engine):
+    lg = _cpu_layout(engine)
+    prefix = len(engine.prompts.prefix_ids)
+    strat = make_strategy("infoflow")
+    saved = (lg.graphs, lg.max_graphs, lg.max_bytes)
+    try:
+        lg.graphs = True  # as on CUDA: the plan is checked against what the runner keeps
+        plan = engine._warmup_plan([strat], [0.15], 300, 1500, 8, 60, prefix)
+        planned = len(plan[0][2])
+        assert planned > 2
+        lg.max_graphs = planned
+        assert engine._warmup_plan([strat], [0.15], 300, 1500, 8, 60, prefix)  # exactly fits
+        with pytest.raises(ValueError, match="shape buckets"):  # two ratios: twice the buckets
+            engine._warmup_plan([strat], [0.15, 0.3], 300, 1500, 8, 60, prefix)
+        lg.max_graphs, lg.max_bytes = 10 ** 6, 1024  # the bytes bound too
+        with pytest.raises(ValueError, match="GiB"):
+            engine._warmup_plan([make_strategy("full")], [0.15], 300, 1500, 8, 60, prefix)
+    finally:
+        lg.graphs, lg.max_graphs, lg.max_bytes = saved
+
+
+def test_a_bucket_met_at_two_ratios_is_warmed_once(engine):
+    lg = _cpu_layout(engine)
+    prefix = len(engine.prompts.prefix_ids)
+    strat = make_strategy("infoflow")
+    saved = lg.graphs
+    try:
+        lg.graphs = True
+        once = engine._warmup_plan([strat], [0.15], 300, 1500, 8, 60, prefix)
+        twice = engine._warmup_plan([strat], [0.15, 0.15], 300, 1500, 8, 60, prefix)
+        assert [len(p) for _, _, p in twice] == [len(once[0][2]), 0]
+    finally:
+        lg.graphs = saved
