@@ -129,6 +129,7 @@ def time_call(fn, reps: int, warmup: int) -> float:
     for _ in range(reps):
         ts.append(fn())
     time_call.mean = statistics.fmean(ts)  # mixed traffic: the median hides how often a request runs eagerly
+    time_call.spread = (min(ts), max(ts))  # a host stall on a few calls shows as max >> median
     return statistics.median(ts)
 
 
@@ -342,7 +343,7 @@ def main() -> int:
                         engine.runner.layout.replays = engine.runner.layout.captures = 0
                         engine.runner.layout.eager_runs = 0
                     t = time_call(call, args.reps, args.warmup)
-                    t_mean = time_call.mean
+                    t_mean, (t_min, t_max) = time_call.mean, time_call.spread
                     # mixed rows against HF on the same lengths (the random lengths are seeded alike)
                     ref, ref_mean = ((hf_mixed, hf_mixed_mean) if layout.startswith("mixed") and hf_mixed
                                      else (hf, hf))
@@ -357,6 +358,7 @@ def main() -> int:
                     graphs = (f"{lg.replays}/{lg.captures}/{lg.eager_runs}" if lg is not None else "-")
                     rows.append({**base, "row": f"kvfuse {label}", "tier": tier, "ttft_ms": t * 1e3,
                                  "mean_ttft_ms": t_mean * 1e3, "hf_over_mean": ref_mean / t_mean,
+                                 "min_ttft_ms": t_min * 1e3, "max_ttft_ms": t_max * 1e3,
                                  "warmup_s": None if warm is None else warm["seconds"],
                                  "bucket_replays_captures_eager": graphs,
                                  "vs_hf": ref / t, "floor_ms": floor, "measured_over_floor": t * 1e3 / floor,
@@ -367,7 +369,8 @@ def main() -> int:
                     print(f"{shape} {n:6d}  kvfuse {label:<30} {tier:<4}  {t * 1e3:8.2f} ms  x{ref / t:6.2f} vs HF  "
                           f"floor {floor:7.2f} ms  sel {r.selection_s * 1e3:6.2f} ms  "
                           f"recomputed {r.recomputed_tokens}/{r.doc_tokens}  bucket graphs r/c/e {graphs}  "
-                          f"mean {t_mean * 1e3:.2f} ms (x{ref_mean / t_mean:.2f})", flush=True)
+                          f"mean {t_mean * 1e3:.2f} ms (x{ref_mean / t_mean:.2f})  min/max {t_min * 1e3:.2f}/"
+                          f"{t_max * 1e3:.2f} ms", flush=True)
                     if lg is not None and lg.failed:
                         print("  capture failures:", set(lg.failed.values()), flush=True)
                 engine.close()
