@@ -122,15 +122,13 @@ def random_layout(engine, n_ctx: int, q_tokens: int, vocab: int, seed: int):
     return torch.randint(100, vocab - 100, (q_tokens,), generator=g).tolist(), docs
 
 
-def time_call(fn, reps: int, warmup: int) -> float:
+def time_call(fn, reps: int, warmup: int) -> tuple[float, float, float, float]:
+    """(median, mean, min, max) seconds of `reps` calls after `warmup`: the mean shows how often mixed traffic runs
+    eagerly, min/max a stall on a few calls, both of which the median hides."""
     for _ in range(warmup):
         fn()
-    ts = []
-    for _ in range(reps):
-        ts.append(fn())
-    time_call.mean = statistics.fmean(ts)  # mixed traffic: the median hides how often a request runs eagerly
-    time_call.spread = (min(ts), max(ts))  # a host stall on a few calls shows as max >> median
-    return statistics.median(ts)
+    ts = [fn() for _ in range(reps)]
+    return statistics.median(ts), statistics.fmean(ts), min(ts), max(ts)
 
 
 def floors(model, n: int, recomputed: int, q: int, gemm_tflops: float, hbm_gbs: float) -> dict[str, float]:
@@ -252,7 +250,7 @@ def main() -> int:
                 int(out.logits[0, -1].argmax())
                 return time.perf_counter() - t0
 
-            hf = time_call(hf_call, args.reps, args.warmup)
+            hf = time_call(hf_call, args.reps, args.warmup)[0]
             base = {"shape": shape, "context": n}
             rows.append({**base, "row": "HF SDPA full", "tier": "-", "ttft_ms": hf * 1e3, "vs_hf": 1.0})
             print(f"{shape} {n:6d}  HF SDPA full                 {hf * 1e3:8.2f} ms", flush=True)
@@ -267,8 +265,7 @@ def main() -> int:
 
                 for _ in range(2):
                     hf_call()
-                hf_mixed = time_call(hf_mixed_call, args.reps, 0)
-                hf_mixed_mean = time_call.mean
+                hf_mixed, hf_mixed_mean = time_call(hf_mixed_call, args.reps, 0)[:2]
                 rows.append({**base, "row": "HF SDPA full mixed", "tier": "-", "ttft_ms": hf_mixed * 1e3,
                              "mean_ttft_ms": hf_mixed_mean * 1e3, "vs_hf": 1.0})
                 print(f"{shape} {n:6d}  HF SDPA full mixed lengths   {hf_mixed * 1e3:8.2f} ms  "
@@ -342,8 +339,7 @@ def main() -> int:
                     if engine.runner.layout is not None:  # bucket graph counters of this row alone
                         engine.runner.layout.replays = engine.runner.layout.captures = 0
                         engine.runner.layout.eager_runs = 0
-                    t = time_call(call, args.reps, args.warmup)
-                    t_mean, (t_min, t_max) = time_call.mean, time_call.spread
+                    t, t_mean, t_min, t_max = time_call(call, args.reps, args.warmup)
                     # mixed rows against HF on the same lengths (the random lengths are seeded alike)
                     ref, ref_mean = ((hf_mixed, hf_mixed_mean) if layout.startswith("mixed") and hf_mixed
                                      else (hf, hf))

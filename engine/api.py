@@ -447,19 +447,20 @@ class FusionEngine:
         ratios = [check_real(r, "ratios", low=0.0, high=1.0) for r in ratios]
         strats = [GenerationOptions(strategy=s).strategy for s in (strategies or [GenerationOptions().strategy])]
         strats = [make_strategy(s) if isinstance(s, str) else s for s in strats]
-        runners = {id(r): r for r in (self.runner, self.fused_runner) if r.layout is not None and r.layout.graphs}
+        layouts = self._graph_layouts()
         t0 = time.perf_counter()
-        if not runners:
+        if not layouts:
             return {"requests": 0, "captured": 0, "graphs": 0, "seconds": 0.0}
-        before = sum(r.layout.captures for r in runners.values())
+        before = sum(lg.captures for lg in layouts)
         prefix = len(self.prompts.prefix_ids)
         vocab = self.decoder.spec.vocab
         plan = self._warmup_plan(strats, ratios, lo, hi, q_lo, q_hi, prefix)  # checked before any work
         g = torch.Generator().manual_seed(0)
         made: list[str] = []
         count = 0
-        for r in runners.values():
-            r.layout.capture_after = 1
+        saved = [lg.capture_after for lg in layouts]
+        for lg in layouts:
+            lg.capture_after = 1
         try:
             for strat, ratio, points in plan:
                 for n, q in points:
@@ -476,13 +477,17 @@ class FusionEngine:
                                   max_new_tokens=1)
                     count += 1
         finally:
-            for r in runners.values():
-                r.layout.capture_after = 2
+            for lg, was in zip(layouts, saved):
+                lg.capture_after = was
             self.forget(made)
-        after = sum(r.layout.captures for r in runners.values())
-        return {"requests": count, "captured": after - before,
-                "graphs": sum(len(r.layout.entries) for r in runners.values()),
-                "seconds": time.perf_counter() - t0}
+        return {"requests": count, "captured": sum(lg.captures for lg in layouts) - before,
+                "graphs": sum(len(lg.entries) for lg in layouts), "seconds": time.perf_counter() - t0}
+
+    def _graph_layouts(self) -> list:
+        """The bucketed-prefill graph caches of the runners (one per runner that captures graphs)."""
+        found = {id(r.layout): r.layout for r in (self.runner, self.fused_runner)
+                 if r.layout is not None and r.layout.graphs}
+        return list(found.values())
 
     def _warmup_plan(self, strats: list[Strategy], ratios: list[float], lo: int, hi: int, q_lo: int, q_hi: int,
                      prefix: int) -> list[tuple[Strategy, float, list[tuple[int, int]]]]:
@@ -496,17 +501,18 @@ class FusionEngine:
         planned: set = set()  # graph keys (a bucket is one graph whatever the ratio that met it)
         for strat in strats:
             layout = self.prefill_runner(strat).layout
+            sig = (signature(strat), id(layout))
             reads_ratio = strat.uses_cache and not getattr(strat, "ignores_ratio", False)
             for ratio in (ratios if reads_ratio else ratios[:1]):
                 kind, buckets = self._warmup_buckets(strat, ratio, lo, hi, q_lo, q_hi, prefix)
-                new = {b: p for b, p in buckets.items() if (signature(strat), id(layout), b) not in planned}
-                planned.update((signature(strat), id(layout), b) for b in new)
+                new = {b: p for b, p in buckets.items() if (sig, b) not in planned}
+                planned.update((sig, b) for b in new)
                 plan.append((strat, ratio, list(new.values())))
                 if layout is None or not layout.graphs or not new:
                     continue
                 graphs, nbytes = load.get(id(layout), (0, 0))
                 graphs += len(new)
-                nbytes += sum(layout.entry_bytes(kind, *(tuple(b) + (0, 0))[:3]) for b in new)
+                nbytes += sum(layout.entry_bytes(kind, *b) for b in new)
                 load[id(layout)] = (graphs, nbytes)
                 if graphs > layout.max_graphs or nbytes > layout.max_bytes:
                     raise ValueError(
@@ -516,15 +522,10 @@ class FusionEngine:
                         f"or question range, or warm fewer strategies or ratios")
         return plan
 
-    def _warmup_points(self, strat: Strategy, ratio: float, lo: int, hi: int, q_lo: int, q_hi: int,
-                       prefix: int) -> list[tuple[int, int]]:
-        """(prompt tokens, tail tokens), one per shape bucket the range meets under `strat` at `ratio`, by the
-        bucketed path's own arithmetic (`engine/bucketed.py`)."""
-        return list(self._warmup_buckets(strat, ratio, lo, hi, q_lo, q_hi, prefix)[1].values())
-
     def _warmup_buckets(self, strat: Strategy, ratio: float, lo: int, hi: int, q_lo: int, q_hi: int,
                         prefix: int) -> tuple[str | None, dict]:
-        """(the strategy's bucketed kind, {bucket sizes: (prompt tokens, tail tokens)}) of `_warmup_points`."""
+        """(the strategy's bucketed kind, {bucket sizes: (prompt tokens, tail tokens)}): one request per shape bucket
+        the range meets under `strat` at `ratio`, by the bucketed path's own arithmetic (`engine/bucketed.py`)."""
         from .bucketed import plan_buckets, strategy_kind
         from .fusion.base import budget_for
 
@@ -646,12 +647,11 @@ class FusionEngine:
         pool = self.decoding.arena.pool
         stats = self.scheduler.stats()
         stats.update(pool_rows_used=pool.doc_rows - pool.free_rows, pool_rows_total=pool.doc_rows)
-        layouts = {id(r.layout): r.layout for r in (self.runner, self.fused_runner)
-                   if r.layout is not None and r.layout.graphs}
+        layouts = self._graph_layouts()
         if layouts:  # prefills of the bucketed path by how they ran: a graph replayed, captured, or eager
-            stats.update(prefill_graph_replays=sum(g.replays for g in layouts.values()),
-                         prefill_graph_captures=sum(g.captures for g in layouts.values()),
-                         prefill_eager_runs=sum(g.eager_runs for g in layouts.values()))
+            stats.update(prefill_graph_replays=sum(g.replays for g in layouts),
+                         prefill_graph_captures=sum(g.captures for g in layouts),
+                         prefill_eager_runs=sum(g.eager_runs for g in layouts))
         return stats
 
     def shutdown(self, timeout: float | None = None) -> None:

@@ -51,7 +51,7 @@ from .cudagraph import capture_graph
 from .fusion.base import SelectContext, signature
 from .sources import AssembledSource, PooledSource, PoolRows, pool_rows
 
-__all__ = ["bucket_size", "bucket_sizes", "monotone_runs", "plan_buckets", "strategy_kind", "LayoutGraphs", "M_MIN", "M_STEPS", "K_STEPS", "V_STEPS", "FUSED_ROW_STEPS", "CHECK_ROW_STEPS"]
+__all__ = ["bucket_size", "bucket_sizes", "n_steps", "monotone_runs", "plan_buckets", "strategy_kind", "LayoutGraphs", "M_MIN", "M_STEPS", "K_STEPS", "V_STEPS", "FUSED_ROW_STEPS", "CHECK_ROW_STEPS"]
 
 FUSED_ROW_STEPS = 2     # prompt rows of a fused prefill: 2 sizes per octave (full: LayoutGraphs.row_steps)
 CHECK_ROW_STEPS = 4     # ... of one with a check layer (cacheblend: every row is computed up to it)
@@ -90,10 +90,14 @@ def strategy_kind(strategy, n_layers: int) -> str | None:
     return "host"
 
 
+def n_steps(kind: str, row_steps: int = 8) -> int:
+    """Prompt-row (N) bucket sizes per octave of a request of `kind` (`row_steps`: full's)."""
+    return {"plain": row_steps, "check": CHECK_ROW_STEPS}.get(kind, FUSED_ROW_STEPS)
+
+
 def bucket_sizes(kind: str, n: int, m: int, k: int, row_steps: int = 8) -> tuple[int, int, int]:
     """(N, M, K) bucket of a request of `kind` with n prompt rows, m always-computed and k recomputed rows."""
-    steps = {"plain": row_steps, "check": CHECK_ROW_STEPS}.get(kind, FUSED_ROW_STEPS)
-    return bucket_size(n, steps, 64), bucket_size(m, M_STEPS, M_MIN), bucket_size(k, K_STEPS, 16)
+    return bucket_size(n, n_steps(kind, row_steps), 64), bucket_size(m, M_STEPS, M_MIN), bucket_size(k, K_STEPS, 16)
 
 
 def monotone_runs(f, lo: int, hi: int) -> list[tuple[int, int]]:
@@ -118,10 +122,10 @@ def plan_buckets(kind: str, lo: int, hi: int, q_lo: int, q_hi: int, prefix: int,
                  row_steps: int = 8, min_body: int = 32) -> dict[tuple, tuple[int, int]]:
     """One (prompt rows, tail rows) request per shape bucket that requests of `kind` with lo..hi prompt rows and
     q_lo..q_hi tail rows meet, the largest of each bucket; k_of(body) is the recomputed rows of a request with
-    `body` document rows (nondecreasing). Keys are `bucket_sizes`' (N alone for "plain"). Every integer pair of
-    the ranges is covered: within one (N, M) bucket the body n - prefix - q takes every value of an interval,
-    and K follows it monotonically."""
-    steps = {"plain": row_steps, "check": CHECK_ROW_STEPS}.get(kind, FUSED_ROW_STEPS)
+    `body` document rows (nondecreasing). Keys are `bucket_sizes`' as `LayoutGraphs.plan` computes them (a plain
+    prefill computes every row: M follows N, K is 0). Every integer pair of the ranges is covered: within one
+    (N, M) bucket the body n - prefix - q takes every value of an interval, and K follows it monotonically."""
+    steps = n_steps(kind, row_steps)
     points: dict[tuple, tuple[int, int]] = {}
     m_runs = [(q_lo, q_hi)] if kind == "plain" else monotone_runs(lambda q: bucket_size(q, M_STEPS, M_MIN), q_lo, q_hi)
     for n0, n1 in monotone_runs(lambda n: bucket_size(n, steps, 64), lo, hi):
@@ -134,8 +138,8 @@ def plan_buckets(kind: str, lo: int, hi: int, q_lo: int, q_hi: int, prefix: int,
             for _, body in k_runs:
                 n = min(n1, body + prefix + q1)
                 q = n - prefix - body
-                sizes = bucket_sizes(kind, n, q, k_of(body), row_steps)
-                points.setdefault(sizes[:1] if kind == "plain" else sizes, (n, q))
+                m = n if kind == "plain" else q
+                points.setdefault(bucket_sizes(kind, n, m, k_of(body), row_steps), (n, q))
     return points
 
 

@@ -372,6 +372,17 @@ def cmd_ask(args) -> int:
     return 0
 
 
+def _ratios(text: str, flag: str) -> list[float]:
+    """Comma-separated recompute ratios, each in [0, 1]."""
+    try:
+        ratios = [float(r) for r in text.split(",") if r.strip()]
+    except ValueError:
+        raise CliError(f"{flag} must be comma-separated numbers, got {text!r}") from None
+    if not ratios or any(not 0.0 <= r <= 1.0 for r in ratios):
+        raise CliError(f"{flag} must be numbers in [0, 1], got {text!r}")
+    return ratios
+
+
 def _span(value: str, flag: str, minimum: int) -> tuple[int, int]:
     """A "LO:HI" range of token counts (or one count N, meaning N:N)."""
     from kvfuse.engine.validate import check_int
@@ -398,7 +409,6 @@ def _warmup_args(args) -> dict | None:
             raise CliError("--warmup-strategies, --warmup-questions and --warmup-ratios need --warmup LO:HI")
         return None
     from kvfuse.engine.fusion import DEFAULT_STRATEGY, make_strategy
-    from kvfuse.engine.validate import check_real
 
     names = [n.strip() for n in (args.warmup_strategies or DEFAULT_STRATEGY).split(",") if n.strip()]
     for n in names:
@@ -406,12 +416,7 @@ def _warmup_args(args) -> dict | None:
             make_strategy(n)
         except ValueError as e:
             raise CliError(f"--warmup-strategies: {e}") from None
-    try:
-        ratios = [float(r) for r in (args.warmup_ratios or "0.15").split(",")]
-    except ValueError:
-        raise CliError(f"--warmup-ratios: expected numbers in [0, 1], got {args.warmup_ratios!r}") from None
-    for r in ratios:
-        check_real(r, "--warmup-ratios", low=0.0, high=1.0)
+    ratios = _ratios(args.warmup_ratios or "0.15", "--warmup-ratios")
     return dict(contexts=_span(args.warmup, "--warmup", 64),
                 question_tokens=_span(args.warmup_questions or "16:128", "--warmup-questions", 1),
                 strategies=names, ratios=ratios)
@@ -507,12 +512,7 @@ def cmd_train_adapter(args) -> int:
         raise CliError("--holdout and --eval-every go together (held-out examples, and how often to measure them)")
     check_real(args.max_seconds, "--max-seconds", low=0.0, high=1e7)
     check_real(args.checkpoint_every, "--checkpoint-every", low=0.0, high=1e7)
-    try:
-        ratios = tuple(float(r) for r in args.ratios.split(",") if r)
-    except ValueError:
-        raise CliError(f"--ratios must be comma-separated numbers, got {args.ratios!r}") from None
-    if not ratios or any(not 0.0 <= r <= 1.0 for r in ratios):
-        raise CliError(f"--ratios must be numbers in [0, 1], got {args.ratios!r}")
+    ratios = tuple(_ratios(args.ratios, "--ratios"))
     from kvfuse.engine.fusion import available, make_strategy
 
     if args.strategy not in available() or not make_strategy(args.strategy).uses_cache:

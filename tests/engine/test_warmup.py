@@ -43,13 +43,13 @@ def test_planned_requests_cover_every_bucket_of_the_range(engine, name):
     if engine.runner.layout is None:  # CPU: the bucketed path is off; its arithmetic is what the plan uses
         from kvfuse.engine.bucketed import LayoutGraphs
         engine.runner.layout = LayoutGraphs(engine.runner, graphs=False)
-    points = engine._warmup_points(strat, 0.15, 300, 1500, 8, 60, prefix)
+    points = list(engine._warmup_buckets(strat, 0.15, 300, 1500, 8, 60, prefix)[1].values())
 
     def key(n, q):
         body = n - prefix - q
         k = 0 if kind == "plain" or strat.ignores_ratio else min(body - 16, round(0.15 * body))
-        sizes = bucket_sizes(kind, n, q, k, engine.runner.layout.row_steps)
-        return sizes[:1] if kind == "plain" else sizes
+        m = n if kind == "plain" else q  # a plain prefill computes every row
+        return bucket_sizes(kind, n, m, k, engine.runner.layout.row_steps)
 
     planned = {key(n, q) for n, q in points}
     assert len(planned) == len(points)  # one request per bucket
@@ -58,7 +58,7 @@ def test_planned_requests_cover_every_bucket_of_the_range(engine, name):
         n, q = rng.randint(300, 1500), rng.randint(8, 60)
         assert key(n, q) in planned, (n, q)
     # a wrong plan misses: the same check against a plan of a narrower range fails
-    narrow = {key(n, q) for n, q in engine._warmup_points(strat, 0.15, 300, 700, 8, 60, prefix)}
+    narrow = set(engine._warmup_buckets(strat, 0.15, 300, 700, 8, 60, prefix)[1])
     assert any(key(n, q) not in narrow for n, q in [(1500, 60), (1400, 8)])
 
 
@@ -80,8 +80,7 @@ def test_the_bucket_plan_equals_an_exhaustive_scan_and_stays_cheap_at_128k(kind)
         return 0 if kind == "plain" else min(body - 16, round(ratio * body))
 
     def key(n, q):
-        sizes = bucket_sizes(kind, n, q, k_of(n - prefix - q))
-        return sizes[:1] if kind == "plain" else sizes
+        return bucket_sizes(kind, n, n if kind == "plain" else q, k_of(n - prefix - q))
 
     plan = plan_buckets(kind, 200, 900, 5, 70, prefix, k_of)
     every = {key(n, q) for n in range(200, 901) for q in range(5, 71) if n - prefix - q >= 32}
