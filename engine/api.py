@@ -453,7 +453,6 @@ class FusionEngine:
             return {"requests": 0, "captured": 0, "graphs": 0, "seconds": 0.0}
         before = sum(lg.captures for lg in layouts)
         prefix = len(self.prompts.prefix_ids)
-        vocab = self.decoder.spec.vocab
         plan = self._warmup_plan(strats, ratios, lo, hi, q_lo, q_hi, prefix)  # checked before any work
         g = torch.Generator().manual_seed(0)
         made: list[str] = []
@@ -464,15 +463,8 @@ class FusionEngine:
         try:
             for strat, ratio, points in plan:
                 for n, q in points:
-                    body = n - prefix - q  # a 16-token first document (exact), then doc_tokens each
-                    sizes = [16] + [doc_tokens] * ((body - 16) // doc_tokens)
-                    if body - sum(sizes) > 0:
-                        sizes.append(body - sum(sizes))
-                    docs = [Document(f"kvfuse-warmup-{len(made) + i}",
-                                     token_ids=torch.randint(1, vocab - 1, (s,), generator=g).tolist())
-                            for i, s in enumerate(sizes)]
+                    ids, docs = self._warmup_request(n, q, doc_tokens, g, len(made))
                     made += [d.id for d in docs]
-                    ids = torch.randint(1, vocab - 1, (q,), generator=g).tolist()
                     self.generate(question_ids=ids, docs=docs, strategy=strat, recompute_ratio=ratio,
                                   max_new_tokens=1)
                     count += 1
@@ -482,6 +474,20 @@ class FusionEngine:
             self.forget(made)
         return {"requests": count, "captured": sum(lg.captures for lg in layouts) - before,
                 "graphs": sum(len(lg.entries) for lg in layouts), "seconds": time.perf_counter() - t0}
+
+    def _warmup_request(self, n: int, q: int, doc_tokens: int, g: torch.Generator,
+                        first: int = 0) -> tuple[list[int], list[Document]]:
+        """A synthetic request of n prompt tokens and a q-token tail: (tail ids, documents): a 16-token first
+        document (exact), then documents of `doc_tokens` and one of the rest, random token ids, ids from
+        `kvfuse-warmup-{first}` on."""
+        vocab = self.decoder.spec.vocab
+        body = n - len(self.prompts.prefix_ids) - q
+        sizes = [16] + [doc_tokens] * ((body - 16) // doc_tokens)
+        if body - sum(sizes) > 0:
+            sizes.append(body - sum(sizes))
+        docs = [Document(f"kvfuse-warmup-{first + i}", token_ids=torch.randint(1, vocab - 1, (s,), generator=g).tolist())
+                for i, s in enumerate(sizes)]
+        return torch.randint(1, vocab - 1, (q,), generator=g).tolist(), docs
 
     def _graph_layouts(self) -> list:
         """The bucketed-prefill graph caches of the runners (one per runner that captures graphs)."""

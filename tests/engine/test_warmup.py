@@ -154,3 +154,49 @@ def test_a_bucket_met_at_two_ratios_is_warmed_once(engine):
         assert [len(p) for _, _, p in twice] == [len(once[0][2]), 0]
     finally:
         lg.graphs = saved
+
+
+@pytest.fixture(scope="module")
+def pool_engine():
+    """Documents in the engine's pool, as on CUDA: the bucketed path serves fused strategies from there."""
+    model, tok, info = load_tiny("llama3")
+    e = FusionEngine(model, tok, EngineConfig(kv_tier="pool"), model_name=info.name,
+                     model_fingerprint=info.fingerprint, tokenizer_fingerprint=info.tokenizer_fingerprint)
+    yield e
+    e.close()
+
+
+@pytest.mark.parametrize("name", ["full", "cacheblend", "infoflow"])
+def test_each_planned_request_lands_in_its_bucket_in_the_engine_itself(pool_engine, name):
+    """The plan's arithmetic against the bucketed path's own: the synthetic request warm-up makes for a planned
+    bucket gets exactly that bucket from `LayoutGraphs.plan` (run eagerly on the CPU)."""
+    import torch
+
+    engine = pool_engine
+    lg = _cpu_layout(engine)
+    strat = make_strategy(name)
+    prefix = len(engine.prompts.prefix_ids)
+    kind, buckets = engine._warmup_buckets(strat, 0.2, 200, 400, 8, 40, prefix)
+    met = []
+    plan = type(lg).plan
+
+    def spy(self, *args):
+        h = plan(self, *args)
+        if h is not None:
+            met.append((h.nb, h.mb, h.kb))
+        return h
+
+    g = torch.Generator().manual_seed(1)
+    made = []
+    try:
+        type(lg).plan = spy
+        items = list(buckets.items())
+        for sizes, (n, q) in [items[0], items[-1]]:  # the largest bucket and the smallest
+            ids, docs = engine._warmup_request(n, q, 64, g, len(made))
+            made += [d.id for d in docs]
+            met.clear()
+            engine.generate(question_ids=ids, docs=docs, strategy=strat, recompute_ratio=0.2, max_new_tokens=1)
+            assert met[-1] == sizes, (n, q, met, sizes)
+    finally:
+        type(lg).plan = plan
+        engine.forget(made)
