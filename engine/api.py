@@ -136,8 +136,11 @@ class FusionEngine:
         self.sift_indexes = IndexStore()  # sift's selective indexes, apart from the K/V caches (engine/sift.py)
         self._index_backlog: collections.OrderedDict = collections.OrderedDict()  # key -> (ids, index params)
         self.decoding = Decoding(self.runner, self._make_arena(), self.config.cuda_graphs)
+        cpu_threads = self.config.scheduler_cpu_threads
+        if cpu_threads is None and self.device.type != "cpu":
+            cpu_threads = 1
         self.scheduler = Scheduler(self, self.decoding, self.config.max_batch_size, self.config.max_queued_requests,
-                                   self.config.prefill_tokens_per_step)
+                                   self.config.prefill_tokens_per_step, cpu_threads=cpu_threads)
 
     @classmethod
     def from_pretrained(cls, name_or_path: str = DEFAULT_MODEL, *, device: str | None = None,

@@ -124,6 +124,10 @@ class EngineConfig:
             running requests' inter-token latency steadier.
         max_queued_requests: requests waiting for a batch slot; beyond it a request is refused with
             EngineOverloaded (a server answers 429).
+        scheduler_cpu_threads: intra-op CPU threads of the scheduler thread (the one that serves requests), that
+            thread alone. None: 1 when the model runs on an accelerator, where that thread's CPU tensor work is
+            small host bookkeeping on the TTFT path and waking a pool of one thread per core costs more than the
+            work (engine/threads.py has the figures); the process default when the model runs on the CPU.
         decode_tokens: KV rows kept for running requests (their computed prompt rows and answers), beyond the
             documents' memory budget (0: twice the context window, capped at 2 x 32768). With the pool tier they are
             rows of the same pool (a document's rows are read in place, never copied; requests may also take rows
@@ -154,6 +158,7 @@ class EngineConfig:
     cache_secret: str | bytes | None = None
     max_batch_size: int = 64
     max_queued_requests: int = 1024
+    scheduler_cpu_threads: int | None = None
     prefill_tokens_per_step: int = 4096
     decode_tokens: int = 0
     redis_url: str | None = None
@@ -180,6 +185,10 @@ class EngineConfig:
                 or self.prefill_tokens_per_step < 1):
             raise ValueError("max_batch_size and prefill_tokens_per_step must be >= 1, max_queued_requests and "
                              "decode_tokens >= 0")
+        if self.scheduler_cpu_threads is not None and (isinstance(self.scheduler_cpu_threads, bool)
+                                                       or not isinstance(self.scheduler_cpu_threads, int)
+                                                       or self.scheduler_cpu_threads < 1):
+            raise ValueError(f"scheduler_cpu_threads must be None or an int >= 1, got {self.scheduler_cpu_threads!r}")
         if not self.disk_retry_s >= 0:
             raise ValueError(f"disk_retry_s must be >= 0 seconds, got {self.disk_retry_s}")
         if self.redis_url is not None:

@@ -25,6 +25,7 @@ from typing import Any, Callable
 import torch
 
 from .fusion import make_strategy
+from .threads import set_own_threads
 from .tracing import set_attributes, span
 from .types import EngineOverloaded, GenerationResult
 
@@ -223,11 +224,14 @@ class Scheduler:
         decoding: engine/decode.py's Decoding (arena, decode step).
         max_batch_size: requests decoding at once.
         max_queued_requests: requests waiting for a slot before `submit` refuses.
+        cpu_threads: intra-op CPU threads of the scheduler thread alone (engine/threads.py); None: left as the
+            process default.
     """
 
     def __init__(self, engine, decoding, max_batch_size: int, max_queued_requests: int,
-                 prefill_tokens_per_step: int = 2048) -> None:
+                 prefill_tokens_per_step: int = 2048, cpu_threads: int | None = None) -> None:
         self.engine = engine
+        self.cpu_threads = cpu_threads
         self.prefill_budget = prefill_tokens_per_step
         self.decoding = decoding
         self.max_batch = max_batch_size
@@ -311,6 +315,8 @@ class Scheduler:
         from .api import _on_device
 
         eng = self.engine
+        if self.cpu_threads is not None:
+            set_own_threads(self.cpu_threads)
         while True:
             with self._cond:
                 while ((not self.waiting and not self.running and not self._closing and not eng.deferred_indexes)
