@@ -360,14 +360,22 @@ class LayoutGraphs:
         dev = inp.buf.device
         kv_pos = torch.arange(h.nb, device=dev)
         fresh = []
+        last = spec.n_layers - 1
         if h.kind == "plain":
             x = dec.embed_tokens(inp.ids)
             c, s_ = cos[:h.nb], sin[:h.nb]
+            end = inp.scalars[1:2]  # [1] the last prompt row: the only hidden state read after the last layer
             for i in range(spec.n_layers):
                 q, k, v = dec.project(i, x)
                 fresh.append((k, v))
-                x = dec.finish(i, x, causal_attention(apply_rope(q, c, s_), apply_rope(k, c, s_), v, spec.scale))
-            logits = dec.logits(x.index_select(0, inp.scalars[1:2]))[0].float()
+                kr = apply_rope(k, c, s_)
+                if i < last:
+                    x = dec.finish(i, x, causal_attention(apply_rope(q, c, s_), kr, v, spec.scale))
+                else:  # the last layer's attention, output projection and MLP for that row alone
+                    qr = apply_rope(q.index_select(0, end), cos[end], sin[end])
+                    x = dec.finish(i, x.index_select(0, end),
+                                   fused_attention(qr, end, kr, v, None, kv_pos, None, None, spec.scale))
+            logits = dec.logits(x)[0].float()
             return logits, fresh, kv_pos, None
         cand = inp.cand > 0
         check = h.check
@@ -389,11 +397,16 @@ class LayoutGraphs:
                 act = _real_first(torch.cat([inp.must, chosen]))
                 sel = act.clamp_min(0)
                 q, x = q.index_select(0, sel), x.index_select(0, sel)
-            qr = apply_rope(q, cos[act], sin[act])
-            x = dec.finish(i, x, fused_attention(qr, act, kp, vp, rows, kv_pos, cos, sin, spec.scale))
+            qa, xa = q, x
+            pos = act
+            if i == last:  # only the last prompt row's hidden state is read (its logits): attend and finish it alone
+                end = inp.scalars[1:2]
+                qa, xa, pos = q.index_select(0, end), x.index_select(0, end), act.index_select(0, end)
+            qr = apply_rope(qa, cos[pos], sin[pos])
+            x = dec.finish(i, xa, fused_attention(qr, pos, kp, vp, rows, kv_pos, cos, sin, spec.scale))
             if i == check:
                 rows, dst = self._rows(pool, inp, act, h.nb)
-        logits = dec.logits(x.index_select(0, inp.scalars[1:2]))[0].float()
+        logits = dec.logits(x)[0].float()
         return logits, fresh, act, _real_first(chosen)
 
     def _body(self, h: _Host, inp: _Inputs, strategy, ratio: float, pool, part: str):

@@ -3,10 +3,11 @@
 An engine on a GPU keeps its scheduler thread's own tensor work on the host small (bucket plans, index sets,
 token ids), and it sits on the TTFT path. PyTorch runs such CPU ops on its intra-op pool (OpenMP, one thread per
 core); for tensors of a few ten thousand elements, waking that pool costs more than the op. Measured on an H200
-host (16 cores, `benchmarks/ttft_jitter.py`, 0.5B shape, 8k context): the bucket plan took 7.4 ms median and up to
-23 ms with the default pool against 0.5 ms with one thread, and first-sight TTFT fell from 20.8 to 12.9 ms (infoflow)
-and from 5.9 to 4.9 ms median, 15.4 to 5.1 ms p90 (reuse). So the scheduler thread of a GPU engine runs its CPU
-ops on one thread.
+host (16 cores; `benchmarks/ttft_jitter.py`, 0.5B shape, 8k context, new random layouts; docs/gpu/host_threads_1204):
+with the default pool the bucket plan took 8.4 ms median and up to 23 ms (infoflow), and one call in five took
+10-15 ms longer than the rest; on one thread it takes 0.4-0.6 ms, and first-sight TTFT fell from 20.8 to 12.2 ms
+median (infoflow) and from 5.9 to 4.4 ms median, 15.4 to 4.8 ms p90 (reuse). So the scheduler thread of a GPU
+engine runs its CPU ops on one thread.
 
 `torch.set_num_threads` sets the calling thread's count *and* the default that threads initialised later take (a
 thread takes it at its first parallel op). `set_own_threads` keeps the change to the calling thread: it
