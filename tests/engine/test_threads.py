@@ -89,3 +89,27 @@ def test_scheduler_thread_runs_requests_with_its_count(tiny_engine, two_threads,
     assert r.token_ids
     assert seen == [("kvfuse-scheduler", expected)]
     assert torch.get_num_threads() == 2
+
+
+def test_the_corpus_embedder_uses_every_core_from_a_one_thread_scheduler(two_threads, monkeypatch):
+    """coinrag embeds nuggets on the scheduler thread: on a GPU engine (one intra-op thread there) the embedder
+    still gets the process default, and the thread's own count is back after."""
+    from kvfuse.engine import corpus
+
+    seen = []
+
+    class FakeMiniLM:
+        def encode(self, texts, **kw):
+            seen.append(torch.get_num_threads())
+            return torch.ones(len(texts), 384)
+
+    monkeypatch.setattr(corpus, "_MINILM", FakeMiniLM())
+    embed = corpus.minilm_embedder()
+
+    def worker():
+        set_own_threads(1)
+        out = embed(["a", "b"])
+        return tuple(out.shape), torch.get_num_threads()
+
+    assert _in_thread(worker) == ((2, 384), 1)
+    assert seen == [2]
