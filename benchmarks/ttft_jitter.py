@@ -39,16 +39,46 @@ def read_clocks(path: str) -> list[tuple[float, float]]:
     return out
 
 
+def profile_calls(engine, name, mode, q, docs, n, vocab, ratio, calls: int = 2) -> None:
+    """Device kernels of `calls` more requests of the row (grouped by name: count, device ms per call). Each new
+    layout's documents are precomputed before its call, outside the profile, as in the timed calls."""
+    import collections
+
+    from torch.profiler import ProfilerActivity, profile
+
+    groups = collections.defaultdict(lambda: [0, 0.0])
+    for j in range(calls):
+        qi, ds = (q, docs) if mode == "repeated" else random_layout(engine, n, 64, vocab, 99_000 + j)
+        engine.precompute(ds)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            engine.generate(question_ids=qi, docs=ds, strategy=name, recompute_ratio=ratio, max_new_tokens=1)
+            torch.cuda.synchronize()
+        for ev in prof.key_averages():
+            if ev.self_device_time_total > 0 and ev.self_cpu_time_total == 0:
+                g = groups[ev.key.split("(")[0].replace("void ", "")[:70]]
+                g[0] += ev.count
+                g[1] += ev.self_device_time_total / 1e3
+    print(f"--- {name} {mode}: device kernels per call")
+    for key, (count, ms) in sorted(groups.items(), key=lambda kv: -kv[1][1])[:14]:
+        print(f"  {ms / calls:8.3f} ms  {count / calls:6.1f}x  {key}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="qwen05b")
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--strategies", default="reuse,infoflow")
-    ap.add_argument("--modes", default="repeated,first-sight")
+    ap.add_argument("--modes", default="repeated,first-sight",
+                    help="repeated: one layout of equal 512-token documents, precomputed once; repeated-random: one "
+                         "random layout (as first-sight draws them), precomputed once; first-sight: a new random "
+                         "layout every call, precomputed just before it")
     ap.add_argument("--ratio", type=float, default=0.15)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--gap-ms", type=float, default=0.0, help="host sleep between calls (idle GPU)")
     ap.add_argument("--clock-log", default=None)
+    ap.add_argument("--profile", action="store_true",
+                    help="after each row, profile two more calls and print their device kernels grouped by name")
     args = ap.parse_args()
     from kvfuse.engine import bucketed
 
@@ -80,11 +110,16 @@ def main() -> int:
         engine = make_engine(model, "pool", pool_tokens=n + 1024, scratch=n + 64)
         q, docs = request(engine, n, 512, 64, vocab, 0)
         engine.precompute(docs)
+        rq, rdocs = random_layout(engine, n, 64, vocab, 424242)
         for mode in args.modes.split(","):
             for i in range(args.reps + 3):
-                qi, ds = (q, docs) if mode == "repeated" else random_layout(engine, n, 64, vocab, 1000 * i + 7)
-                if mode != "repeated":
-                    engine.precompute(ds)
+                if mode == "repeated":
+                    qi, ds = q, docs
+                elif mode == "repeated-random":
+                    qi, ds = rq, rdocs
+                else:
+                    qi, ds = random_layout(engine, n, 64, vocab, 1000 * i + 7)
+                engine.precompute(ds)  # a no-op for a layout already cached
                 torch.cuda.synchronize()
                 if args.gap_ms:
                     time.sleep(args.gap_ms / 1e3)
@@ -99,6 +134,8 @@ def main() -> int:
                     calls.append(dict(strategy=name, mode=mode, t0=t0, t1=t1, ttft=r.ttft_s * 1e3,
                                       prefill=r.prefill_s * 1e3, sel=r.selection_s * 1e3, plan=rec["plan_ms"],
                                       run_host=rec["run_host_ms"], device=s.elapsed_time(e)))
+            if args.profile:
+                profile_calls(engine, name, mode, q, docs, n, vocab, args.ratio)
         engine.close()
     clocks = read_clocks(args.clock_log) if args.clock_log else []
     print("| strategy | mode | call | TTFT ms | prefill ms | device ms (graphs) | plan host ms | run host ms | "
