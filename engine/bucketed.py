@@ -286,8 +286,11 @@ class LayoutGraphs:
         v.cand[plan.cand_host] = 1
         v.pre.fill_(-1)
         pre = None
-        if kind == "check":
-            pre = torch.sort(torch.cat([must, plan.cand_host])).values
+        if kind == "check":  # every computed and candidate position, ascending: marked, not sorted (O(n))
+            mark = torch.zeros(n, dtype=torch.bool)
+            mark[must] = True
+            mark[plan.cand_host] = True
+            pre = mark.nonzero().squeeze(1)
             v.pre[pre] = pre
         v.chosen.fill_(-1)
         if chosen is not None:
