@@ -158,7 +158,6 @@ class EngineConfig:
     cache_secret: str | bytes | None = None
     max_batch_size: int = 64
     max_queued_requests: int = 1024
-    scheduler_cpu_threads: int | None = None
     prefill_tokens_per_step: int = 4096
     decode_tokens: int = 0
     redis_url: str | None = None
@@ -166,6 +165,7 @@ class EngineConfig:
     redis_timeout_s: float = 0.1
     redis_retry_s: float = 30.0
     redis_ttl_s: float = 7 * 86400.0
+    scheduler_cpu_threads: int | None = None
 
     def cache_secret_bytes(self) -> bytes | None:
         """The disk cache's signing secret: `cache_secret`, else $KVFUSE_CACHE_SECRET, else None (unsigned)."""
