@@ -24,29 +24,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from layer_pieces import timed  # noqa: E402
 from ttft import build, ceilings, make_engine, request  # noqa: E402
 
 
-def _graph_ms(fn, reps: int = 20) -> float:
-    """Median device ms of `fn` captured as one CUDA graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b))
-    return statistics.median(out)
+def _graph_ms(fn) -> float:
+    """Median device ms of `fn` captured as one CUDA graph (the engine's own capture, layer_pieces' timing)."""
+    from kvfuse.engine.cudagraph import capture_graph
+
+    return timed(capture_graph(fn, "cuda")[0].replay)
 
 
 def _short(name: str) -> str:
@@ -54,6 +40,18 @@ def _short(name: str) -> str:
         if key in name:
             return "GEMM " + name.split("(")[0][:48]
     return name.split("(")[0].replace("void ", "")[:60]
+
+
+def kernel_groups(prof, groups=None) -> dict:
+    """Device-side entries of a torch profile (kernels, copies, sets: they carry no CPU time) grouped by short
+    name: {name: [count, device ms]}, added to `groups` when given."""
+    groups = collections.defaultdict(lambda: [0, 0.0]) if groups is None else groups
+    for e in prof.key_averages():
+        if e.self_device_time_total > 0 and e.self_cpu_time_total == 0:
+            g = groups[_short(e.key)]
+            g[0] += e.count
+            g[1] += e.self_device_time_total / 1e3
+    return groups
 
 
 def main() -> int:
@@ -134,12 +132,7 @@ def main() -> int:
             call()
             bucketed.LayoutGraphs._select = spy
             layout.graphs = True
-            groups = collections.defaultdict(lambda: [0, 0.0])
-            for e in held[0].key_averages():  # device-side entries (kernels, copies, sets) carry no CPU time
-                if e.self_device_time_total > 0 and e.self_cpu_time_total == 0:
-                    g = groups[_short(e.key)]
-                    g[0] += e.count
-                    g[1] += e.self_device_time_total / 1e3
+            groups = kernel_groups(held[0])
             busy = sum(v[1] for v in groups.values())
             launches = sum(v[0] for v in groups.values())
             print(f"\n=== {args.shape} {n} {name}: probe {sel:.2f} ms replayed (TTFT {ttft:.2f} ms, share "

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from probe_cost import kernel_groups  # noqa: E402
 from ttft import build, make_engine, random_layout, request  # noqa: E402
 
 
@@ -39,27 +40,21 @@ def read_clocks(path: str) -> list[tuple[float, float]]:
     return out
 
 
-def profile_calls(engine, name, mode, q, docs, n, vocab, ratio, calls: int = 2) -> None:
-    """Device kernels of `calls` more requests of the row (grouped by name: count, device ms per call). Each new
-    layout's documents are precomputed before its call, outside the profile, as in the timed calls."""
-    import collections
-
+def profile_calls(engine, name, layout_of, ratio, calls: int = 2) -> None:
+    """Device kernels of `calls` more requests of the row (`layout_of(j)` -> (question ids, docs); grouped by name:
+    count, device ms per call). Each layout's documents are precomputed before its call, outside the profile."""
     from torch.profiler import ProfilerActivity, profile
 
-    groups = collections.defaultdict(lambda: [0, 0.0])
+    groups = None
     for j in range(calls):
-        qi, ds = (q, docs) if mode == "repeated" else random_layout(engine, n, 64, vocab, 99_000 + j)
+        qi, ds = layout_of(j)
         engine.precompute(ds)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             engine.generate(question_ids=qi, docs=ds, strategy=name, recompute_ratio=ratio, max_new_tokens=1)
             torch.cuda.synchronize()
-        for ev in prof.key_averages():
-            if ev.self_device_time_total > 0 and ev.self_cpu_time_total == 0:
-                g = groups[ev.key.split("(")[0].replace("void ", "")[:70]]
-                g[0] += ev.count
-                g[1] += ev.self_device_time_total / 1e3
-    print(f"--- {name} {mode}: device kernels per call")
+        groups = kernel_groups(prof, groups)
+    print(f"--- {name}: device kernels per call")
     for key, (count, ms) in sorted(groups.items(), key=lambda kv: -kv[1][1])[:14]:
         print(f"  {ms / calls:8.3f} ms  {count / calls:6.1f}x  {key}")
 
@@ -112,13 +107,15 @@ def main() -> int:
         engine.precompute(docs)
         rq, rdocs = random_layout(engine, n, 64, vocab, 424242)
         for mode in args.modes.split(","):
-            for i in range(args.reps + 3):
+            def layout_of(i, mode=mode):
                 if mode == "repeated":
-                    qi, ds = q, docs
-                elif mode == "repeated-random":
-                    qi, ds = rq, rdocs
-                else:
-                    qi, ds = random_layout(engine, n, 64, vocab, 1000 * i + 7)
+                    return q, docs
+                if mode == "repeated-random":
+                    return rq, rdocs
+                return random_layout(engine, n, 64, vocab, 1000 * i + 7)
+
+            for i in range(args.reps + 3):
+                qi, ds = layout_of(i)
                 engine.precompute(ds)  # a no-op for a layout already cached
                 torch.cuda.synchronize()
                 if args.gap_ms:
@@ -132,10 +129,11 @@ def main() -> int:
                 e.synchronize()
                 if i >= 3:  # the first calls run eagerly and capture
                     calls.append(dict(strategy=name, mode=mode, t0=t0, t1=t1, ttft=r.ttft_s * 1e3,
-                                      prefill=r.prefill_s * 1e3, sel=r.selection_s * 1e3, plan=rec["plan_ms"],
+                                      prefill=r.prefill_s * 1e3, plan=rec["plan_ms"],
                                       run_host=rec["run_host_ms"], device=s.elapsed_time(e)))
             if args.profile:
-                profile_calls(engine, name, mode, q, docs, n, vocab, args.ratio)
+                print(f"({mode})")
+                profile_calls(engine, name, lambda j, f=layout_of: f(99_000 + j), args.ratio)
         engine.close()
     clocks = read_clocks(args.clock_log) if args.clock_log else []
     print("| strategy | mode | call | TTFT ms | prefill ms | device ms (graphs) | plan host ms | run host ms | "
