@@ -245,6 +245,10 @@ def main() -> int:
         model = build(shape, dev)
         vocab = model.config.vocab_size
         for n in contexts:
+            window = model.config.max_position_embeddings
+            if n + 8 > window:  # the prompt and its first answer token must fit the model's window
+                print(f"{shape}: context {n} capped at {window - 8} (window {window})", flush=True)
+                n = window - 8
             ids = torch.randint(100, vocab - 100, (1, n), device=dev)
 
             def hf_call(ids=ids):  # one timed HF prefill of `ids` to its first token
