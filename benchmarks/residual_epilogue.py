@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -20,7 +19,7 @@ import torch
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 sys.path.append(str(Path(__file__).resolve().parent))
 
-from ttft import build, make_engine, random_layout  # noqa: E402
+from ttft import build, hf_prefill, make_engine, random_layout, time_call  # noqa: E402
 
 
 def epilogue_add(h, x, w, b=None):
@@ -43,10 +42,6 @@ def main() -> int:
     args = ap.parse_args()
     dev = args.device
 
-    def sync():
-        if dev == "cuda":
-            torch.cuda.synchronize()
-
     for shape in args.shapes.split(","):
         model = build(shape, dev)
         vocab = model.config.vocab_size
@@ -54,16 +49,7 @@ def main() -> int:
         for n in (int(c) for c in args.contexts.split(",")):
             n = min(n, window - 8)
             ids = torch.randint(100, vocab - 100, (1, n), device=dev)
-            hf = []
-            for k in range(args.warmup + args.reps):
-                sync()
-                t0 = time.perf_counter()
-                with torch.inference_mode():
-                    out = model(ids, logits_to_keep=1, use_cache=False)
-                int(out.logits[0, -1].argmax())
-                if k >= args.warmup:
-                    hf.append(time.perf_counter() - t0)
-            hf_ms = statistics.median(hf) * 1e3
+            hf_ms = time_call(lambda: hf_prefill(model, ids), args.reps, args.warmup)[0] * 1e3
             print(f"{shape} {n:6d}  HF SDPA full {hf_ms:8.2f} ms", flush=True)
             engines = {v: make_engine(model, "pool", pool_tokens=n + 1024, scratch=n + 64)
                        for v in ("epilogue", "separate")}
@@ -77,7 +63,6 @@ def main() -> int:
                     for v, eng in engines.items():
                         eng.precompute(docs)
                         module.linear_add = impl[v]
-                        sync()
                         r = eng.generate(question_ids=q, docs=docs, strategy=name, recompute_ratio=args.ratio,
                                          max_new_tokens=1)
                         if k >= args.warmup:

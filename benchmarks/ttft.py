@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
 import platform
 import statistics
@@ -124,6 +125,17 @@ def random_layout(engine, n_ctx: int, q_tokens: int, vocab: int, seed: int):
     return torch.randint(100, vocab - 100, (q_tokens,), generator=g).tolist(), docs
 
 
+def hf_prefill(model, ids) -> float:
+    """Seconds of one Hugging Face prefill of `ids` [1, n] to its first token (the device synchronised first)."""
+    if ids.is_cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model(ids, logits_to_keep=1, use_cache=False)
+    int(out.logits[0, -1].argmax())
+    return time.perf_counter() - t0
+
+
 def time_call(fn, reps: int, warmup: int) -> tuple[float, float, float, float]:
     """(median, mean, min, max) seconds of `reps` calls after `warmup`: the mean shows how often mixed traffic runs
     eagerly, min/max a stall on a few calls, both of which the median hides."""
@@ -212,7 +224,11 @@ def main() -> int:
                          "mixed: as first-sight, with the context (N/2 to N) and question (16-128 tokens) lengths "
                          "drawn per request too, as real traffic (use many --reps: the median then shows how often "
                          "a request finds its bucket's graph); mixed-warm: the same requests after "
-                         "`engine.warmup` over their range (the graphs a server captures at start-up)")
+                         "`engine.warmup` over their range (the graphs a server captures at start-up); "
+                         "cold-compute / cold-auto: every request brings new documents, none precomputed, with "
+                         "EngineConfig.cold_documents 'compute' (each computed alone before fusing) or 'auto' (the "
+                         "default: full prefill when that costs less; the documents' caches are built between "
+                         "requests, untimed)")
     args = ap.parse_args()
 
     import transformers
@@ -251,13 +267,8 @@ def main() -> int:
                 n = window - 8
             ids = torch.randint(100, vocab - 100, (1, n), device=dev)
 
-            def hf_call(ids=ids):  # one timed HF prefill of `ids` to its first token
-                sync()
-                t0 = time.perf_counter()
-                with torch.inference_mode():
-                    out = model(ids, logits_to_keep=1, use_cache=False)
-                int(out.logits[0, -1].argmax())
-                return time.perf_counter() - t0
+            def hf_call(ids=ids):
+                return hf_prefill(model, ids)
 
             hf = time_call(hf_call, args.reps, args.warmup)[0]
             base = {"shape": shape, "context": n}
@@ -321,6 +332,11 @@ def main() -> int:
                             engine.precompute(ds)  # cached after the first call: a no-op
                             if offline_data(name):
                                 engine.precompute(ds, strategy=name)
+                        elif layout in ("cold-compute", "cold-auto"):  # new documents: nothing precomputed
+                            engine.wait_for_deferred(600)  # what the last request deferred, built untimed
+                            engine.config = dataclasses.replace(engine.config, cold_documents=layout[5:])
+                            qi, ds = random_layout(engine, n, args.question_tokens, vocab,
+                                                   (500_000 if layout == "cold-compute" else 700_000) + next(fresh))
                         elif layout in ("first-sight", "cold-bucket"):
                             qi, ds = random_layout(engine, n, args.question_tokens, vocab, next(fresh))
                             engine.precompute(ds)  # cached, untimed: the layout is what is new
@@ -364,6 +380,8 @@ def main() -> int:
                     label = (name if name in ("full", "reuse", "sift") else f"{name}@{ratio:.0%}") + f" {layout}"
                     if row_steps is not None:
                         label += f" N/{row_steps}"
+                    if r.strategy != name:  # cold documents answered by full prefill
+                        label += f" ({r.strategy})"
                     lg = engine.runner.layout
                     graphs = (f"{lg.replays}/{lg.captures}/{lg.eager_runs}" if lg is not None else "-")
                     rows.append({**base, "row": f"kvfuse {label}", "tier": tier, "ttft_ms": t * 1e3,
@@ -375,7 +393,8 @@ def main() -> int:
                                  "selection_ms": r.selection_s * 1e3,
                                  "selection_share": r.selection_s / t, "recomputed": r.recomputed_tokens,
                                  "doc_tokens": r.doc_tokens, "hits": r.cache_hits, "misses": r.cache_misses,
-                                 "sift_density": (r.extra.get("sift") or {}).get("density")})
+                                 "sift_density": (r.extra.get("sift") or {}).get("density"),
+                                 "served_by": r.strategy})
                     print(f"{shape} {n:6d}  kvfuse {label:<30} {tier:<4}  {t * 1e3:8.2f} ms  x{ref / t:6.2f} vs HF  "
                           f"floor {floor:7.2f} ms  sel {r.selection_s * 1e3:6.2f} ms  "
                           f"recomputed {r.recomputed_tokens}/{r.doc_tokens}  bucket graphs r/c/e {graphs}  "

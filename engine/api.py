@@ -42,6 +42,7 @@ __all__ = ["FusionEngine", "DEFAULT_MODEL"]
 
 #: Most documents whose sift index waits to be built between requests (the oldest are dropped beyond it).
 MAX_INDEX_BACKLOG = 4096
+DEFAULT_FUSED_REL = 0.5  # a fused prefill's TTFT / full's, where the model's front has no measured point
 
 DEFAULT_MODEL = "qwen2.5-coder-0.5b"
 _END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "</s>", "<|end|>")
@@ -135,6 +136,8 @@ class FusionEngine:
         # the engine between two of its iterations (`self.scheduler.exclusive()`)
         self.sift_indexes = IndexStore()  # sift's selective indexes, apart from the K/V caches (engine/sift.py)
         self._index_backlog: collections.OrderedDict = collections.OrderedDict()  # key -> (ids, index params)
+        # caches a request skipped (cold documents answered by full prefill): key -> (document, ids, strategy)
+        self._cache_backlog: collections.OrderedDict = collections.OrderedDict()
         self.decoding = Decoding(self.runner, self._make_arena(), self.config.cuda_graphs)
         cpu_threads = self.config.scheduler_cpu_threads
         if cpu_threads is None and self.device.type != "cpu":
@@ -340,6 +343,9 @@ class FusionEngine:
         Returns how many ids were known. Entries in use by a running request are left to it and dropped after."""
         ids = [check_text(i, "a document id") for i in ([doc_ids] if isinstance(doc_ids, str) else doc_ids)]
         with self.scheduler.exclusive():
+            gone = set(ids)  # a cold document's deferred cache is not built after it was forgotten
+            for key in [k for k, (d, *_) in self._cache_backlog.items() if d.id in gone]:
+                del self._cache_backlog[key]
             return self.doc_cache.forget(ids)
 
     def _options(self, options: GenerationOptions | None, kwargs: dict[str, Any], *, chat: bool = False) -> tuple:
@@ -468,6 +474,7 @@ class FusionEngine:
                 for n, q in points:
                     ids, docs = self._warmup_request(n, q, doc_tokens, g, len(made))
                     made += [d.id for d in docs]
+                    self.precompute(docs)  # cached, as a served request's documents are: fused whatever the policy
                     self.generate(question_ids=ids, docs=docs, strategy=strat, recompute_ratio=ratio,
                                   max_new_tokens=1)
                     count += 1
@@ -898,9 +905,73 @@ class FusionEngine:
                                         "index_rejected": rejected, "index_deferred": deferred,
                                         "density": round(density, 4), "kernel_block": block}
 
+    def cold_documents(self, docs: list[Document], doc_ids: list[list[int]], strat: Strategy, ratio: float,
+                       tail_tokens: int) -> dict | None:
+        """Whether a request is answered by full prefill because of its documents with no cache yet
+        (`EngineConfig.cold_documents`): None to serve it as asked (missing caches computed first, as before), else
+        what the result reports in `extra["cold"]`; the missing documents then wait in the backlog the scheduler
+        builds from between requests. A document already waiting there (seen cold before, not built yet) is
+        computed by this request instead, so a document in steady demand gets its cache even when the engine is
+        never idle. Strategies that read no cache, or a cache variant of their own (fusionrag), are served as asked."""
+        policy = self.config.cold_documents
+        if (policy == "compute" or not strat.uses_cache or getattr(strat, "cache_variant", None)
+                or getattr(strat, "sparse_index", False)):
+            return None
+        missing = []
+        for d, ids in zip(docs, doc_ids):
+            key = content_key(self.namespace, self.prompts.prefix_ids, ids)
+            if key in self._cache_backlog:  # its second sight: computed now
+                return None
+            if not self.store.peek(key):
+                missing.append((key, d, ids))
+        if not missing:
+            return None
+        miss_tokens = sum(len(ids) for *_, ids in missing)
+        n = len(self.prompts.prefix_ids) + sum(len(ids) for ids in doc_ids) + tail_tokens
+        rel = None
+        if self.front is not None:
+            key = (strat.name, round(float(ratio), 4))
+            point = next((p for p in self.front.points if p.key == key), None)
+            rel = None if point is None else point.rel(self.device.type)
+        rel = DEFAULT_FUSED_REL if rel is None else rel
+        if policy == "auto" and miss_tokens / max(1, n) < 1.0 - rel:
+            return None
+        for key, d, ids in missing:
+            self._cache_backlog.setdefault(key, (d, list(ids), strat.name))
+        while len(self._cache_backlog) > MAX_INDEX_BACKLOG:  # never idle: the oldest wait longest
+            self._cache_backlog.popitem(last=False)
+        return {"requested": strat.name, "ratio": float(ratio), "policy": policy, "missing_documents": len(missing),
+                "missing_tokens": miss_tokens, "prompt_tokens": n, "fused_rel_ttft": rel}
+
+    def build_deferred(self) -> bool:
+        """Builds one cache or index that a request deferred (a cold document's cache, `cold_documents`; a sift
+        index, `on_miss="dense"`); False when none is waiting. The scheduler calls it between requests (never while
+        one is waiting or running)."""
+        if self._cache_backlog:
+            key, (doc, ids, name) = next(iter(self._cache_backlog.items()))
+            try:  # left in the backlog while it is built, so `wait_for_deferred` waits for the store to hold it
+                if not self.store.peek(key):
+                    with self.doc_cache.hold():
+                        self.doc_cache.kvs([doc], make_strategy(name), [ids])
+            finally:
+                self._cache_backlog.pop(key, None)
+            return True
+        return self.build_deferred_index()
+
+    @property
+    def deferred_work(self) -> int:
+        """Caches and indexes waiting to be built between requests."""
+        return len(self._cache_backlog) + len(self._index_backlog)
+
+    def wait_for_deferred(self, timeout: float = 60.0) -> bool:
+        """Blocks until every deferred cache and index is built (True) or `timeout` seconds pass (False)."""
+        deadline = time.monotonic() + timeout
+        while self.deferred_work and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return not self.deferred_work
+
     def build_deferred_index(self) -> bool:
-        """Builds one index that a request deferred (sift's `on_miss="dense"`); False when none is waiting. The
-        scheduler calls it between requests (never while one is waiting or running)."""
+        """Builds one index that a request deferred (sift's `on_miss="dense"`); False when none is waiting."""
         if not self._index_backlog:
             return False
         key, (ids, block, local_mass, cross_mass) = next(iter(self._index_backlog.items()))

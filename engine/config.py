@@ -11,7 +11,9 @@ import torch
 from .prompt import PromptFormat
 from .validate import check_dir_path, check_redis_url
 
-__all__ = ["EngineConfig", "resolve_device", "resolve_dtype"]
+__all__ = ["COLD_DOCUMENTS", "EngineConfig", "resolve_device", "resolve_dtype"]
+
+COLD_DOCUMENTS = ("compute", "auto", "full")  # EngineConfig.cold_documents
 
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
            "fp32": torch.float32, "float32": torch.float32}
@@ -128,6 +130,17 @@ class EngineConfig:
             thread alone. None: 1 when the model runs on an accelerator, where that thread's CPU tensor work is
             small host bookkeeping on the TTFT path and waking a pool of one thread per core costs more than the
             work (engine/threads.py has the figures); the process default when the model runs on the CPU.
+        cold_documents: what a request that reads caches does when some of its documents have none yet (new
+            documents: a RAG request's first sight of them). "compute" (default): each is prefilled alone and
+            stored, then the request is fused as asked, so an answer does not depend on whether its documents were
+            cached before (it pays those prefills before its first token). "full": the request is answered by full
+            prefill (the exact answer, at full prefill's cost) and the missing caches are built when the engine is
+            next idle, or computed at their next request if it comes first. "auto": "full" when computing the
+            missing documents and then fusing is predicted to cost more than a full prefill (missing tokens /
+            prompt tokens >= 1 - the strategy's TTFT relative to full, read from the model's measured front for
+            this device; 0.5 when the front has no such point), "compute" otherwise. With either, a request's
+            first sight of its documents gets full prefill's answer and later ones the fused answer. A result
+            served by full prefill this way has strategy "full" and says why in `extra["cold"]`.
         decode_tokens: KV rows kept for running requests (their computed prompt rows and answers), beyond the
             documents' memory budget (0: twice the context window, capped at 2 x 32768). With the pool tier they are
             rows of the same pool (a document's rows are read in place, never copied; requests may also take rows
@@ -166,6 +179,7 @@ class EngineConfig:
     redis_retry_s: float = 30.0
     redis_ttl_s: float = 7 * 86400.0
     scheduler_cpu_threads: int | None = None
+    cold_documents: str = "compute"
 
     def cache_secret_bytes(self) -> bytes | None:
         """The disk cache's signing secret: `cache_secret`, else $KVFUSE_CACHE_SECRET, else None (unsigned)."""
@@ -189,6 +203,8 @@ class EngineConfig:
                                                        or not isinstance(self.scheduler_cpu_threads, int)
                                                        or self.scheduler_cpu_threads < 1):
             raise ValueError(f"scheduler_cpu_threads must be None or an int >= 1, got {self.scheduler_cpu_threads!r}")
+        if self.cold_documents not in COLD_DOCUMENTS:
+            raise ValueError(f"cold_documents must be one of {COLD_DOCUMENTS}, got {self.cold_documents!r}")
         if not self.disk_retry_s >= 0:
             raise ValueError(f"disk_retry_s must be >= 0 seconds, got {self.disk_retry_s}")
         if self.redis_url is not None:

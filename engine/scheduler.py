@@ -79,9 +79,7 @@ class Request:
         doc_ids = None
         if self.messages is None:
             doc_ids = eng._encode_documents(self.docs)
-            tail = (len(self.question) if isinstance(self.question, list)
-                    else len(eng.prompts.encode_tail(self.question)))
-            n = len(eng.prompts.prefix_ids) + sum(len(ids) for ids in doc_ids) + tail
+            n = len(eng.prompts.prefix_ids) + sum(len(ids) for ids in doc_ids) + self._tail_tokens()
         else:
             n = len(eng.prompts.prefix_ids) + sum(len(eng.tokenizer.encode(m["content"], add_special_tokens=False))
                                                   for m in self.messages)
@@ -91,12 +89,23 @@ class Request:
         self.extra["auto"] = choice.as_dict()
         return doc_ids
 
+    def _tail_tokens(self) -> int:
+        """Tokens of the question part of the prompt (its template included)."""
+        q = self.question
+        return len(q) if isinstance(q, list) else len(self.engine.prompts.encode_tail(q))
+
     def start(self, decoding) -> bool:
         """Prefill and first token. Returns whether the request goes on decoding. Raises _NoRoom to wait."""
-        doc_ids = self._choose() if self.auto is not None and self.strat is None else None
-        eng, strat = self.engine, self.strat
-        store = eng.store
         self.t_start = time.perf_counter()
+        doc_ids = self._choose() if self.auto is not None and self.strat is None else None
+        eng = self.engine
+        if self.messages is None and "cold" not in self.extra:  # (a retry after _NoRoom has decided already)
+            if doc_ids is None:
+                doc_ids = eng._encode_documents(self.docs)
+            cold = eng.cold_documents(self.docs, doc_ids, self.strat, self.ratio, self._tail_tokens())
+            if cold is not None:  # new documents: full prefill now, their caches built when the engine is idle
+                self.strat, self.extra["cold"] = make_strategy("full"), cold
+        strat, store = self.strat, eng.store
         n_teacher = 0 if self.teacher is None else int(self.teacher.numel())
         reserve = max(self.max_new, n_teacher)
         with store.hold(), span("kvfuse.prefill", strategy=strat.name, recompute_ratio=self.ratio,
@@ -319,7 +328,7 @@ class Scheduler:
             set_own_threads(self.cpu_threads)
         while True:
             with self._cond:
-                while ((not self.waiting and not self.running and not self._closing and not eng.deferred_indexes)
+                while ((not self.waiting and not self.running and not self._closing and not eng.deferred_work)
                        or self._exclusive_waiters):
                     self._cond.wait(0.1)
                 if self._closing and not self.waiting and not self.running:
@@ -327,11 +336,11 @@ class Scheduler:
                     return
                 idle = not self.waiting and not self.running
             with self.lock, _on_device(eng.device), torch.inference_mode():
-                if idle:  # nothing to serve: build one index a request deferred (sift), then look again
+                if idle:  # nothing to serve: build one cache or index a request deferred, then look again
                     try:
-                        eng.build_deferred_index()
-                    except Exception:  # noqa: BLE001  (that document stays dense; a request is never hurt)
-                        log.warning("building a deferred sift index failed", exc_info=True)
+                        eng.build_deferred()
+                    except Exception:  # noqa: BLE001  (that document is computed at its next request instead)
+                        log.warning("building a deferred cache or index failed", exc_info=True)
                 else:
                     self._iteration()
             with self._cond:

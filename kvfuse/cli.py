@@ -37,6 +37,9 @@ def _engine(args):
     budget = getattr(args, "memory_budget", None)
     if budget is not None:
         config["memory_budget_bytes"] = _size(budget, "--memory-budget")
+    cold = getattr(args, "cold_documents", None)
+    if cold is not None:
+        config["cold_documents"] = cold
     return FusionEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype,
                                         cache_dir=args.cache_dir, disk_cache=not getattr(args, "no_disk_cache", False),
                                         adapter=_adapter_arg(getattr(args, "adapter", None)), **config)
@@ -645,6 +648,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-disk-cache", action="store_true", help="keep document caches in memory only")
     p.add_argument("--memory-budget", default=None,
                    help="bytes of document caches kept in memory, e.g. 512M or 40G (default 4G)")
+    p.add_argument("--cold-documents", default=None, choices=["compute", "auto", "full"],
+                   help="a request with documents that have no cache yet: compute them first (compute, the default), "
+                        "or answer it by full prefill and build their caches between requests (full; auto: when "
+                        "that is predicted faster)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     p.add_argument("--front", default=None, help="a measured front (kvfuse front) for strategy 'auto', instead of "
                                                 "the one shipped for the model")

@@ -242,7 +242,9 @@ def load_engine(model: str, device: str | None = None, dtype: str | None = None,
         raise ValueError(f"cannot import the engine (kvfuse.engine.api): {e}") from None
     if prompt not in PROMPT_PRESETS:
         raise ValueError(f"unknown prompt {prompt!r}; available: {', '.join(PROMPT_PRESETS)}")
-    kwargs: dict[str, Any] = {"prompt": PROMPT_PRESETS[prompt], "adapter": adapter}
+    # every strategy is measured as itself: a request never switches to full prefill for documents without a
+    # cache (the harness precomputes them anyway; an eviction must not turn a strategy's row into full's answers)
+    kwargs: dict[str, Any] = {"prompt": PROMPT_PRESETS[prompt], "adapter": adapter, "cold_documents": "compute"}
     if device:
         kwargs["device"] = device
     if dtype:

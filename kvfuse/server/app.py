@@ -171,7 +171,8 @@ def _extension(result) -> dict[str, Any]:
             "prompt_tokens": result.prompt_tokens, "doc_tokens": result.doc_tokens,
             "question_tokens": result.question_tokens, "recomputed_tokens": result.recomputed_tokens,
             "finish_reason": result.finish_reason, "documents": list(result.extra.get("documents", [])),
-            **({"auto": result.extra["auto"]} if "auto" in result.extra else {})}
+            **({"auto": result.extra["auto"]} if "auto" in result.extra else {}),
+            **({"cold": result.extra["cold"]} if "cold" in result.extra else {})}
 
 
 def _finish(result) -> str:
