@@ -99,7 +99,8 @@ class Request:
         self.t_start = time.perf_counter()
         doc_ids = self._choose() if self.auto is not None and self.strat is None else None
         eng = self.engine
-        if self.messages is None and "cold" not in self.extra:  # (a retry after _NoRoom has decided already)
+        if (self.messages is None and eng.config.cold_documents != "compute"
+                and "cold" not in self.extra):  # (a retry after _NoRoom has decided already)
             if doc_ids is None:
                 doc_ids = eng._encode_documents(self.docs)
             cold = eng.cold_documents(self.docs, doc_ids, self.strat, self.ratio, self._tail_tokens())
