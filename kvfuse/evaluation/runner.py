@@ -423,6 +423,9 @@ class EvalRunner:
             "n_passages": len(ex.passages),
             "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         }
+        sparse = (getattr(result, "extra", None) or {}).get("sift")
+        if isinstance(sparse, dict) and "density" in sparse:  # sift: the share of causal block pairs attended
+            rec["sift_density"] = _finite(sparse["density"])
         rec.update(self.extra)
         return rec
 

@@ -12,7 +12,9 @@ import torch
 from kvfuse.engine.types import GenerationResult, PrecomputeReport
 
 # The answer each strategy gives (full is the reference).
-ANSWERS = {"full": "alpha beta gamma", "reuse": "alpha beta", "cacheblend": "alpha beta gamma", "epic": "delta"}
+ANSWERS = {"full": "alpha beta gamma", "reuse": "alpha beta", "cacheblend": "alpha beta gamma", "epic": "delta",
+           "sift": "alpha beta gamma"}
+SIFT_DENSITY = 0.375  # what a sift request reports in extra["sift"]
 VOCAB = 40
 
 
@@ -50,7 +52,7 @@ class FakeEngine:
         ids = [3 + (_seed(w) % (VOCAB - 3)) for w in text.split()][:max_new_tokens]
         doc_tokens = 10 * len(docs)
         frac = {"full": 1.0, "reuse": 0.0}.get(strategy, recompute_ratio)
-        extra = {}
+        extra = {"sift": {"density": SIFT_DENSITY, "index_hits": len(docs)}} if strategy == "sift" else {}
         if teacher_ids is not None:  # what next_token_logprobs gives, without recording a call
             extra["teacher_logprobs"] = self._logprobs(question, teacher_ids, strategy, recompute_ratio)
         if return_logprobs and ids:

@@ -1,7 +1,7 @@
 import json
 
 import pytest
-from fake_engine import ANSWERS, FakeEngine
+from fake_engine import ANSWERS, SIFT_DENSITY, FakeEngine
 
 from kvfuse.evaluation.data import read_jsonl, smoke_data_path
 from kvfuse.evaluation.runner import Config, EvalRunner, RecordStore, _offline_strategies, build_configs, record_key
@@ -211,3 +211,11 @@ def test_requested_dtype_keys_the_resume(tmp_path, examples):
     again = _runner(tmp_path, Factory(), warmup=False, extra={"dtype": "torch.float32"}).run(examples, configs)
     assert again.executed == 0 and again.skipped == again.total
     assert record_key("e", "full", 1.0, "m", 8) != record_key("e", "full", 1.0, "m", 8, dtype="float32")
+
+
+def test_sift_records_its_attention_density(tmp_path, examples):
+    """A sift run's density (its speed's driver) is on its record, so a marks sweep reads quality beside it."""
+    _runner(tmp_path, Factory(), warmup=False).run(examples, build_configs(["sift", "reuse"], [0.15]))
+    recs = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
+    assert {r["sift_density"] for r in recs if r["strategy"] == "sift"} == {SIFT_DENSITY}
+    assert all("sift_density" not in r for r in recs if r["strategy"] != "sift")
