@@ -40,9 +40,18 @@ from .validate import check_int, check_real, check_strategy, check_text, check_t
 
 __all__ = ["FusionEngine", "DEFAULT_MODEL"]
 
-#: Most documents whose sift index waits to be built between requests (the oldest are dropped beyond it).
+#: Most documents whose sift index, or whose cache (cold documents), waits to be built between requests (each
+#: backlog drops its oldest beyond it).
 MAX_INDEX_BACKLOG = 4096
 DEFAULT_FUSED_REL = 0.5  # a fused prefill's TTFT / full's, where the model's front has no measured point
+
+
+def _wait_until(done, timeout: float) -> bool:
+    """Polls `done()` every 10 ms until it is true (True) or `timeout` seconds pass (False)."""
+    deadline = time.monotonic() + timeout
+    while not done() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return done()
 
 DEFAULT_MODEL = "qwen2.5-coder-0.5b"
 _END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "</s>", "<|end|>")
@@ -400,12 +409,18 @@ class FusionEngine:
     def observe_ttft(self, strategy: str, ratio: float, prefill_s: float, prompt_tokens: int) -> None:
         """Feeds one served prefill to the full-prefill rate `auto` predicts TTFT with (ignored when the
         (strategy, ratio) point is not on the front)."""
-        front = self.front
-        if front is None:
+        if self.front is None:
             return
-        key = (strategy, round(float(ratio), 4))  # the ratio a result reports (1 for full, 0 for reuse)
-        point = next((p for p in front.points if p.key == key), None)
-        self.ttft_rate.observe(prefill_s, prompt_tokens, None if point is None else point.rel(self.device.type))
+        self.ttft_rate.observe(prefill_s, prompt_tokens, self._front_rel(strategy, ratio))
+
+    def _front_rel(self, strategy: str, ratio: float) -> float | None:
+        """The measured TTFT / full's TTFT of (strategy, ratio) on this device from the model's front; None when
+        there is no front or no such point. `ratio` as a result reports it (1 for full, 0 for reuse)."""
+        if self.front is None:
+            return None
+        key = (strategy, round(float(ratio), 4))
+        point = next((p for p in self.front.points if p.key == key), None)
+        return None if point is None else point.rel(self.device.type)
 
     def calibrate_ttft(self, tokens: int = 256) -> float:
         """Times a short full prefill of `tokens` synthetic tokens (twice; the second counts) and seeds the rate
@@ -928,11 +943,7 @@ class FusionEngine:
             return None
         miss_tokens = sum(len(ids) for *_, ids in missing)
         n = len(self.prompts.prefix_ids) + sum(len(ids) for ids in doc_ids) + tail_tokens
-        rel = None
-        if self.front is not None:
-            key = (strat.name, round(float(ratio), 4))
-            point = next((p for p in self.front.points if p.key == key), None)
-            rel = None if point is None else point.rel(self.device.type)
+        rel = self._front_rel(strat.name, ratio)
         rel = DEFAULT_FUSED_REL if rel is None else rel
         if policy == "auto" and miss_tokens / max(1, n) < 1.0 - rel:
             return None
@@ -965,10 +976,7 @@ class FusionEngine:
 
     def wait_for_deferred(self, timeout: float = 60.0) -> bool:
         """Blocks until every deferred cache and index is built (True) or `timeout` seconds pass (False)."""
-        deadline = time.monotonic() + timeout
-        while self.deferred_work and time.monotonic() < deadline:
-            time.sleep(0.01)
-        return not self.deferred_work
+        return _wait_until(lambda: not self.deferred_work, timeout)
 
     def build_deferred_index(self) -> bool:
         """Builds one index that a request deferred (sift's `on_miss="dense"`); False when none is waiting."""
@@ -989,10 +997,7 @@ class FusionEngine:
 
     def wait_for_indexes(self, timeout: float = 60.0) -> bool:
         """Blocks until every deferred index is built (True) or `timeout` seconds pass (False)."""
-        deadline = time.monotonic() + timeout
-        while self._index_backlog and time.monotonic() < deadline:
-            time.sleep(0.01)
-        return not self._index_backlog
+        return _wait_until(lambda: not self._index_backlog, timeout)
 
     def sift_index_bytes(self, docs: Iterable[Any], strategy: str | Strategy = "sift") -> list[bytes]:
         """Each document's selective index, serialised (`SiftIndex.to_bytes`, a few KB; computed where missing):
