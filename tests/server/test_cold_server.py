@@ -2,8 +2,6 @@
 no cache for is answered by full prefill (said in the response's kvfuse extension) and the next one is fused."""
 from __future__ import annotations
 
-import time
-
 import pytest
 from serving import DOCS, KEY
 
@@ -23,15 +21,16 @@ def test_new_documents_get_full_prefill_then_the_fused_path(start_server, local_
     assert ext["cold"]["missing_documents"] == len(docs) and ext["cache_misses"] == 0
     full = local_engine.generate(QUESTION, docs, max_new_tokens=8, temperature=0.0, strategy="full")
     assert r.choices[0].text == full.text
-    deadline = time.monotonic() + 60  # the server builds the caches between requests
-    while True:
-        r = client.completions.create(model=srv.model, prompt=QUESTION, max_tokens=8, temperature=0,
-                                      extra_body=body)
-        ext = r.model_extra["kvfuse"]
-        if ext["strategy"] == "cacheblend" or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    assert ext["strategy"] == "cacheblend" and "cold" not in ext and ext["cache_hits"] == len(docs)
+    # The server builds the missing caches between requests; a document still waiting when the next request
+    # names it is computed by that request (its second sight), so the next request is fused either way.
+    r = client.completions.create(model=srv.model, prompt=QUESTION, max_tokens=8, temperature=0, extra_body=body)
+    ext = r.model_extra["kvfuse"]
+    assert ext["strategy"] == "cacheblend" and "cold" not in ext
+    assert ext["cache_hits"] + ext["cache_misses"] == len(docs)
     fused = local_engine.generate(QUESTION, docs, max_new_tokens=8, temperature=0.0, strategy="cacheblend",
                                   recompute_ratio=0.3)
+    assert r.choices[0].text == fused.text
+    r = client.completions.create(model=srv.model, prompt=QUESTION, max_tokens=8, temperature=0, extra_body=body)
+    ext = r.model_extra["kvfuse"]  # every cache is there now, whichever way it was built
+    assert ext["strategy"] == "cacheblend" and ext["cache_hits"] == len(docs) and ext["cache_misses"] == 0
     assert r.choices[0].text == fused.text
