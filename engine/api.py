@@ -359,7 +359,7 @@ class FusionEngine:
 
     def _options(self, options: GenerationOptions | None, kwargs: dict[str, Any], *, chat: bool = False) -> tuple:
         """A request's options (`options` overridden by the keywords), checked against this engine; returns
-        (strategy, ratio, max_new, sampler, stop, teacher, return_logprobs) (see Request)."""
+        (strategy, ratio, max_new, sampler, stop, teacher, return_logprobs, auto, guard) (see Request)."""
         if options is None:
             options = GenerationOptions.from_kwargs(**kwargs)
         elif isinstance(options, GenerationOptions):
@@ -380,8 +380,9 @@ class FusionEngine:
         sampler = Sampler(options.temperature, options.top_p, options.seed)
         teacher = None if options.teacher_ids is None else torch.as_tensor(check_token_ids(
             options.teacher_ids, "teacher_ids", self.decoder.spec.vocab, max_len=room), dtype=torch.long)
+        guard = self.config.guard_margin if options.guard_margin is None else options.guard_margin
         return (strat, options.recompute_ratio, max_new_tokens, sampler, list(options.stop), teacher,
-                options.return_logprobs, auto)
+                options.return_logprobs, auto, guard or None)
 
     # -- strategy="auto" (engine/auto.py) ---------------------------------------------------------------------
     def _check_front(self) -> Front:

@@ -221,6 +221,8 @@ def _per_dataset(path: Path) -> dict[str, dict[tuple[str, float], dict]]:
     for r in rows:
         if "macro" in r["dataset"]:  # a summary's own macro rows: recomputed below from the datasets
             continue
+        if "+guard" in r["strategy"]:  # guarded runs are another point (their cost depends on escalations)
+            continue
         by.setdefault(r["dataset"], {})[_strategy_key(r["strategy"], r["ratio"])] = r
     return by
 

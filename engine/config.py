@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from .prompt import PromptFormat
-from .validate import check_dir_path, check_redis_url
+from .validate import check_dir_path, check_real, check_redis_url
 
 __all__ = ["COLD_DOCUMENTS", "EngineConfig", "resolve_device", "resolve_dtype"]
 
@@ -141,6 +141,9 @@ class EngineConfig:
             this device; 0.5 when the front has no such point), "compute" otherwise. With either, a request's
             first sight of its documents gets full prefill's answer and later ones the fused answer. A result
             served by full prefill this way has strategy "full" and says why in `extra["cold"]`.
+        guard_margin: the guard every request gets unless it sets its own (`GenerationOptions.guard_margin`; a
+            request's 0 turns it off): nats, None for none (the default). A fused answer's token whose two most
+            likely tokens are less than this apart hands the answer to full prefill from there.
         decode_tokens: KV rows kept for running requests (their computed prompt rows and answers), beyond the
             documents' memory budget (0: twice the context window, capped at 2 x 32768). With the pool tier they are
             rows of the same pool (a document's rows are read in place, never copied; requests may also take rows
@@ -180,6 +183,7 @@ class EngineConfig:
     redis_ttl_s: float = 7 * 86400.0
     scheduler_cpu_threads: int | None = None
     cold_documents: str = "compute"
+    guard_margin: float | None = None
 
     def cache_secret_bytes(self) -> bytes | None:
         """The disk cache's signing secret: `cache_secret`, else $KVFUSE_CACHE_SECRET, else None (unsigned)."""
@@ -205,6 +209,8 @@ class EngineConfig:
             raise ValueError(f"scheduler_cpu_threads must be None or an int >= 1, got {self.scheduler_cpu_threads!r}")
         if self.cold_documents not in COLD_DOCUMENTS:
             raise ValueError(f"cold_documents must be one of {COLD_DOCUMENTS}, got {self.cold_documents!r}")
+        if self.guard_margin is not None:
+            check_real(self.guard_margin, "guard_margin", low=0.0)
         if not self.disk_retry_s >= 0:
             raise ValueError(f"disk_retry_s must be >= 0 seconds, got {self.disk_retry_s}")
         if self.redis_url is not None:

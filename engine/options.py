@@ -56,6 +56,13 @@ class GenerationOptions:
         ttft_budget_s: with strategy "auto": the most faithful point whose predicted TTFT is <= this many seconds
             (> 0); the fastest when none fits. At most one of the two; with neither, "auto" is the front's default
             point. "auto" ignores `recompute_ratio` (the point sets it) and takes no strategy options.
+        guard_margin: the guard, in nats (>= 0; 0 turns it off; None: the engine's `EngineConfig.guard_margin`,
+            itself None by default): when a token of the answer is a near-tie on the
+            fused path (its two most likely tokens' log-probabilities less than this apart), the request switches
+            to full prefill there: the prompt is prefilled in full, the answer so far re-read, and every token from
+            that one on is full prefill's (`result.strategy == "full"`, `result.extra["guard"]` says where and
+            from what). Almost every fused answer that differs from full prefill's starts at such a token, mostly
+            the first (docs/quality/guard.md); a guarded request costs one full prefill more when it trips.
     """
 
     strategy: str | Strategy = DEFAULT_STRATEGY
@@ -70,6 +77,7 @@ class GenerationOptions:
     strategy_options: Mapping[str, Any] = field(default_factory=dict)
     target_fidelity: float | None = None
     ttft_budget_s: float | None = None
+    guard_margin: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.strategy_options, Mapping):
@@ -97,6 +105,8 @@ class GenerationOptions:
             object.__setattr__(self, "ttft_budget_s", check_real(self.ttft_budget_s, "ttft_budget_s", low=0.0,
                                                                  low_open=True))
         set_ = object.__setattr__
+        if self.guard_margin is not None:
+            set_(self, "guard_margin", check_real(self.guard_margin, "guard_margin", low=0.0))
         set_(self, "strategy_options", MappingProxyType(opts))
         set_(self, "recompute_ratio", check_real(self.recompute_ratio, "recompute_ratio", low=0.0, high=1.0))
         set_(self, "max_new_tokens", check_int(self.max_new_tokens, "max_new_tokens", minimum=1))

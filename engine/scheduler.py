@@ -40,13 +40,27 @@ class _NoRoom(Exception):
     """The arena can't hold the request's rows until a running request finishes."""
 
 
+class _Escalate(Exception):
+    """The guard: the fused prefill's first token is a near-tie (top-2 margin below the request's guard)."""
+
+    def __init__(self, margin: float) -> None:
+        super().__init__(margin)
+        self.margin = margin
+
+
+def _margin(logits: torch.Tensor) -> float:
+    """The gap between the two largest logits of [vocab] logits (= the log-prob gap, in nats)."""
+    top = logits.float().topk(2).values
+    return float(top[0] - top[1])
+
+
 class Request:
     """One generation request as it moves through the scheduler.
 
     Args:
         engine: the FusionEngine (its prompt building, cache service and runner do the work).
         question / docs / messages: what to answer (a chat when `messages` is given).
-        strat, ratio, max_new, sampler, stop, teacher, return_logprobs: validated options.
+        strat, ratio, max_new, sampler, stop, teacher, return_logprobs, auto, guard: validated options.
     Attributes:
         cancel: set by the reader (close, drop) to end the request at the next step.
         sink: `sink((kind, value))` delivers DELTA text, then DONE result or ERROR exception (set by the stream).
@@ -54,12 +68,13 @@ class Request:
 
     def __init__(self, engine, question: str, docs: list, messages: list | None, strat, ratio: float, max_new: int,
                  sampler, stop: list[str], teacher: torch.Tensor | None, return_logprobs: bool,
-                 auto: tuple | None = None) -> None:
+                 auto: tuple | None = None, guard: float | None = None) -> None:
         self.engine = engine
         self.question, self.docs, self.messages = question, docs, messages
         self.strat, self.ratio, self.max_new, self.sampler = strat, ratio, max_new, sampler
         self.stop, self.teacher, self.return_logprobs = stop, teacher, return_logprobs
         self.auto = auto  # strategy="auto": (target_fidelity, ttft_budget_s); the strategy is picked at start
+        self.guard = guard  # GenerationOptions.guard_margin: below this top-2 margin, full prefill takes over
         self.cancel = threading.Event()
         self.sink: Callable[[tuple[str, Any]], None] | None = None
         self.t_call = time.perf_counter()
@@ -96,7 +111,8 @@ class Request:
 
     def start(self, decoding) -> bool:
         """Prefill and first token. Returns whether the request goes on decoding. Raises _NoRoom to wait."""
-        self.t_start = time.perf_counter()
+        if "guard" not in self.extra:  # (an escalated request keeps its first start: queue_s is the wait)
+            self.t_start = time.perf_counter()
         doc_ids = self._choose() if self.auto is not None and self.strat is None else None
         eng = self.engine
         if (self.messages is None and eng.config.cold_documents != "compute"
@@ -106,9 +122,29 @@ class Request:
             cold = eng.cold_documents(self.docs, doc_ids, self.strat, self.ratio, self._tail_tokens())
             if cold is not None:  # new documents: full prefill now, their caches built when the engine is idle
                 self.strat, self.extra["cold"] = make_strategy("full"), cold
-        strat, store = self.strat, eng.store
         n_teacher = 0 if self.teacher is None else int(self.teacher.numel())
-        reserve = max(self.max_new, n_teacher)
+        self.reserve = max(self.max_new, n_teacher)
+        try:
+            out = self._prefill(decoding, doc_ids, first=True)
+        except _Escalate as esc:  # the guard: the fused first token was a near-tie; full prefill answers
+            self._escalated(0, esc.margin)
+            return self.start(decoding)
+        eng.observe_ttft(self.strat.name, self._reported_ratio(), self.t_first - self.t_prefill,
+                         self.layout.n)
+        self.first_logits = out.logits.clone() if (n_teacher or self.return_logprobs) else None
+        if n_teacher:
+            rows = [self.first_logits[None]]
+            if n_teacher > 1:
+                rows.append(decoding.extend(self.seq, self.teacher[:-1]))
+                self.seq.length = self.layout.n  # decoding overwrites the teacher rows
+            self.extra["teacher_logprobs"] = torch.log_softmax(torch.cat(rows).float(), dim=-1).cpu()
+        return self.accept(self.first_token)
+
+    def _prefill(self, decoding, doc_ids: list | None, first: bool):
+        """This request's prefill under `self.strat`, its sequence opened in the arena; returns the
+        PrefillOutput. `first`: the request's first token follows (the guard may escalate it: _Escalate)."""
+        eng = self.engine
+        strat, store, reserve = self.strat, eng.store, self.reserve
         with store.hold(), span("kvfuse.prefill", strategy=strat.name, recompute_ratio=self.ratio,
                                 documents=len(self.docs), chat=self.messages is not None) as sp:
             before = store.snapshot()
@@ -128,37 +164,74 @@ class Request:
             slab = decoding.arena.alloc(layout.n + reserve)
             if slab is None:
                 raise _NoRoom
+            seq = None
             try:
                 out = eng.prefill_runner(strat).prefill(layout.ids, segs, strat, self.ratio, extra_capacity=reserve)
-                token = self.sampler(out.logits)
-                self.t_first = time.perf_counter()
-                self.pins = set(store.memory.held)  # the documents the sequence reads in place stay put
-                store.memory.pin(self.pins)
-                self.seq = decoding.open(out.pending, slab, reserve)
+                if first:
+                    if self.guarding:
+                        margin = _margin(out.logits)
+                        if margin < self.guard:
+                            raise _Escalate(margin)
+                    self.first_token = self.sampler(out.logits)
+                    self.t_first = time.perf_counter()
+                pins = set(store.memory.held)  # the documents the sequence reads in place stay put
+                store.memory.pin(pins)
+                self.pins |= pins
+                seq = self.seq = decoding.open(out.pending, slab, reserve)
             except BaseException:
-                if self.seq is None:
+                if seq is None:
                     decoding.arena.free(slab, layout.n + reserve)
                 raise
             after = store.snapshot()
             set_attributes(sp, prompt_tokens=layout.n, doc_tokens=layout.doc_tokens,
                            recomputed_tokens=int(out.recomputed.numel()), cache_hits=after.hits - before.hits,
-                           cache_misses=after.misses - before.misses, queue_s=self.t_start - self.t_call,
-                           ttft_s=self.t_first - self.t_call)
+                           cache_misses=after.misses - before.misses, queue_s=self.t_start - self.t_call)
+            if first:
+                set_attributes(sp, ttft_s=self.t_first - self.t_call)
         self.layout, self.miss_s, self.stats = layout, miss_s, (before, after)
-        eng.observe_ttft(strat.name, 1.0 if not strat.uses_cache else (0.0 if strat.ignores_ratio else self.ratio),
-                         self.t_first - self.t_prefill, layout.n)  # the ratio as the result reports it
         self.selection_s = out.selection_s + reorder_s
         if getattr(strat, "report", None):  # e.g. sift's indexes and attention density
             self.extra[strat.name] = dict(strat.report)
         self.recomputed = out.recomputed.tolist() if strat.uses_cache else []
-        self.first_logits = out.logits.clone() if (n_teacher or self.return_logprobs) else None
-        if n_teacher:
-            rows = [self.first_logits[None]]
-            if n_teacher > 1:
-                rows.append(decoding.extend(self.seq, self.teacher[:-1]))
-                self.seq.length = layout.n  # decoding overwrites the teacher rows
-            self.extra["teacher_logprobs"] = torch.log_softmax(torch.cat(rows).float(), dim=-1).cpu()
-        return self.accept(token)
+        return out
+
+    # -- the guard (GenerationOptions.guard_margin) -----------------------------------------------------------------
+    @property
+    def guarding(self) -> bool:
+        """Whether this request's tokens are checked: a guard is set and its path is not full prefill already."""
+        return self.guard is not None and self.strat is not None and self.strat.name != "full"
+
+    def _escalated(self, step: int, margin: float) -> None:
+        self.extra["guard"] = {"requested": self.strat.name, "ratio": float(self._reported_ratio()),
+                               "margin_nats": float(self.guard), "escalated_at": step, "margin": round(margin, 4),
+                               "fused_s": round(time.perf_counter() - self.t_start, 6)}
+        self.strat = make_strategy("full")
+
+    def escalate(self, decoding, margin: float):
+        """The guard, mid-answer: the answer so far is re-read after a full prefill of the prompt; returns the
+        [vocab] logits of the next token under full prefill, or None (no arena room: the fused path goes on)."""
+        old_seq, old_pins, old_strat = self.seq, self.pins, self.strat
+        step = len(self.tokens)
+        self._escalated(step, margin)
+        self.pins = set()
+        try:
+            out = self._prefill(decoding, None, first=False)
+        except _NoRoom:
+            self.extra["guard"]["skipped"] = "no arena rows for a full prefill beside the running requests"
+            self.seq, self.pins, self.strat = old_seq, old_pins, old_strat
+            self.guard = None  # not tried again at every step
+            return None
+        decoding.close(old_seq)
+        if old_pins:
+            self.engine.store.memory.unpin(old_pins)
+        if self.return_logprobs:  # the answer is re-scored under the path that serves it
+            self.first_logits = out.logits.clone()
+        logits = decoding.extend(self.seq, torch.tensor(self.tokens, dtype=torch.long))
+        return logits[-1] if logits.dim() == 2 else logits.view(-1)
+
+    def _reported_ratio(self) -> float:
+        strat = self.strat
+        return 1.0 if not strat.uses_cache else (0.0 if strat.ignores_ratio else self.ratio)
 
     def accept(self, token: int) -> bool:
         """Takes a sampled token: emits the text it completes; returns whether to decode another."""
@@ -399,7 +472,12 @@ class Scheduler:
         self.peak_batch = max(self.peak_batch, len(batch))
         try:
             logits = self.decoding.step([r.seq for r in batch], [r.next_token for r in batch])
-            greedy = logits.argmax(dim=-1).tolist()  # one host sync for the whole batch
+            if any(r.guarding for r in batch):  # the guard reads each row's top-2 margin (the same one sync)
+                top = logits.topk(2, dim=-1)
+                greedy = top.indices[:, 0].tolist()
+                margins = (top.values[:, 0] - top.values[:, 1]).tolist()
+            else:
+                greedy, margins = logits.argmax(dim=-1).tolist(), None  # one host sync for the whole batch
         except BaseException as exc:  # noqa: BLE001  (a failed step fails the requests in it, not the engine)
             log.exception("decode step failed")
             for r in batch:
@@ -408,16 +486,30 @@ class Scheduler:
             self._retire(None, len(batch))
             return
         self.steps += 1
-        ended = []
+        ended, failed = [], []
         for b, r in enumerate(batch):
-            token = greedy[b] if r.sampler.temperature == 0 else r.sampler(logits[b])
+            row = logits[b]
+            if margins is not None and r.guarding and margins[b] < r.guard:
+                try:  # the guard: this token is a near-tie under the fused cache; full prefill goes on from here
+                    row = r.escalate(self.decoding, margins[b])
+                except BaseException as exc:  # noqa: BLE001  (delivered to the request's reader)
+                    r.fail(self.decoding, exc)
+                    failed.append(r)
+                    continue
+                if row is None:
+                    row = logits[b]
+                else:
+                    greedy[b] = int(row.argmax())
+            token = greedy[b] if r.sampler.temperature == 0 else r.sampler(row)
             if not r.accept(token):
                 ended.append(r)
-        if ended:
+        if ended or failed:
             with self._cond:
-                self.running = [r for r in batch if r not in ended]
+                self.running = [r for r in batch if r not in ended and r not in failed]
             for r in ended:
                 self._finish(r)
+            if failed:
+                self._retire(None, len(failed))
 
     def _finish(self, req: Request) -> None:
         try:

@@ -21,7 +21,8 @@ __all__ = ["content_id", "result_stats", "adeltas", "arun", "GENERATION_OPTIONS"
 SIFT_METADATA_KEY = "kvfuse_sift_index"
 
 #: Per-call options forwarded to `FusionEngine.generate` / `.stream` (everything else is rejected).
-GENERATION_OPTIONS = ("strategy", "recompute_ratio", "max_new_tokens", "temperature", "top_p", "seed", "stop")
+GENERATION_OPTIONS = ("strategy", "recompute_ratio", "max_new_tokens", "temperature", "top_p", "seed", "stop",
+                      "guard_margin")
 
 
 def content_id(text: str) -> str:

@@ -31,7 +31,8 @@ __all__ = ["RemoteEngine", "RemoteResult", "RemoteError", "RemoteOverloaded"]
 #: engine keywords a server request can carry (their OpenAI names where they differ)
 _BODY_NAMES = {"strategy": "strategy", "recompute_ratio": "recompute_ratio", "max_new_tokens": "max_tokens",
                "temperature": "temperature", "top_p": "top_p", "seed": "seed", "stop": "stop",
-               "target_fidelity": "target_fidelity", "ttft_budget_s": "ttft_budget_s"}
+               "target_fidelity": "target_fidelity", "ttft_budget_s": "ttft_budget_s",
+               "guard_margin": "guard_margin"}
 
 
 class RemoteError(ValueError):
@@ -142,7 +143,9 @@ class _Collector:
             doc_tokens=doc_tokens, question_tokens=int(ext.get("question_tokens", 0)),
             recomputed_tokens=int(ext.get("recomputed_tokens", max(0, doc_tokens - cached))),
             cache_hits=int(ext.get("cache_hits", 0)), cache_misses=int(ext.get("cache_misses", 0)),
-            stale=int(ext.get("stale", 0)), extra={"documents": list(ext.get("documents", []))},
+            stale=int(ext.get("stale", 0)),
+            extra={"documents": list(ext.get("documents", [])),
+                   **{k: ext[k] for k in ("auto", "cold", "guard") if isinstance(ext.get(k), dict)}},
             queue_s=float(ext.get("queue_s", 0.0)), counts=counts)
 
 

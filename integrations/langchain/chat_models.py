@@ -348,6 +348,8 @@ class ChatKVFuse(BaseChatModel):
     streaming: bool = Field(default=False, description="Stream internally on invoke() (token callbacks).")
     n: int = Field(default=1, ge=1, description="Generations per prompt (generate(); n > 1 does not stream).")
     timeout: float | None = Field(default=None, gt=0, description="Seconds per call, waiting included.")
+    guard_margin: float | None = Field(default=None, gt=0, description=(
+        "Nats: a near-tie on the fused path hands the answer to full prefill (GenerationOptions.guard_margin)."))
     max_retries: int = Field(default=0, ge=0, description="Accepted for compatibility; nothing is retried.")
     model_kwargs: dict[str, Any] = Field(default_factory=dict, description="Fusion strategy options.")
 
@@ -459,6 +461,7 @@ class ChatKVFuse(BaseChatModel):
                 "max_new_tokens": kwargs.pop("max_tokens", kwargs.pop("max_new_tokens", self.max_tokens)),
                 "temperature": kwargs.pop("temperature", self.temperature),
                 "top_p": kwargs.pop("top_p", self.top_p),
+                "guard_margin": kwargs.pop("guard_margin", self.guard_margin),
                 "stop": list(stop) if stop else (list(self.stop) if self.stop else None)}
         if strategy == self.strategy:
             opts.update(self.model_kwargs)
@@ -470,7 +473,7 @@ class ChatKVFuse(BaseChatModel):
         if kwargs:
             raise TypeError(f"ChatKVFuse got unexpected keyword arguments {sorted(kwargs)}; per call it takes "
                             "documents, strategy, recompute_ratio, max_tokens, temperature, top_p, seed, timeout, "
-                            "response_format and stop")
+                            "guard_margin, response_format and stop")
         seeds = [seed if seed is None else seed + i for i in range(self.n)]
         chat = messages_to_chat(messages)
         call = _Call(messages=chat, question=None, docs=docs, opts=opts, timeout=timeout,

@@ -54,7 +54,8 @@ class FusionRunnable(RunnableSerializable[FusionInput, dict[str, Any]]):
         base_url, api_key, model: instead of `engine`, a running `kvfuse serve` (see `kvfuse.integrations.remote`).
         retriever: optional; any Runnable from a question string to documents (a LangChain retriever).
         strategy, recompute_ratio, max_new_tokens (alias max_tokens), temperature, top_p, seed (None: a fresh
-            random seed per call), stop, timeout (seconds, waiting for the engine included): generation defaults;
+            random seed per call), stop, timeout (seconds, waiting for the engine included), guard_margin (nats:
+            a near-tie on the fused path hands the answer to full prefill; GenerationOptions): generation defaults;
             `invoke(..., strategy=...)` etc. override them per call. Unknown settings are an error.
     """
 
@@ -70,6 +71,7 @@ class FusionRunnable(RunnableSerializable[FusionInput, dict[str, Any]]):
     seed: int | None = None
     stop: list[str] | None = None
     timeout: float | None = Field(default=None, gt=0)
+    guard_margin: float | None = Field(default=None, gt=0)
 
     @model_validator(mode="before")
     @classmethod
@@ -117,7 +119,7 @@ class FusionRunnable(RunnableSerializable[FusionInput, dict[str, Any]]):
             stop = [stop]
         return ChatKVFuse(engine=self.engine, strategy=opts["strategy"], recompute_ratio=opts["recompute_ratio"],
                           max_tokens=opts["max_new_tokens"], temperature=opts["temperature"], top_p=opts["top_p"],
-                          seed=opts["seed"], stop=stop, timeout=opts["timeout"])
+                          seed=opts["seed"], stop=stop, timeout=opts["timeout"], guard_margin=opts["guard_margin"])
 
     @staticmethod
     def _output(question: str, docs: list[Any], message: AIMessage) -> dict[str, Any]:

@@ -81,6 +81,10 @@ def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "serves it), 'none', 'packaged' (shipped for the model), or a .safetensors file; "
                         "runs with one are recorded as '<strategy>+adapter' beside those without, and the report "
                         "shows both when both are on record")
+    p.add_argument("--guard", metavar="M,N",
+                   help="also run every strategy with these guard margins (nats; GenerationOptions.guard_margin: a "
+                        "near-tie on the fused path hands the answer to full prefill there), recorded as "
+                        "'<strategy>+guard<M>' (default: none)")
     p.add_argument("--device", help="engine device (default: the engine's choice)")
     p.add_argument("--dtype", help="engine dtype, e.g. bfloat16 or float32 (default: the engine's choice)")
     p.add_argument("--no-progress", action="store_true", dest="no_progress", help="no progress bar")
@@ -94,6 +98,19 @@ def _split(value: str | None, what: str) -> list[str]:
     if value is not None and not items:
         raise ValueError(f"{what}: empty list")
     return items
+
+
+def _parse_guards(value: str | None) -> list[float]:
+    out = []
+    for item in _split(value, "--guard"):
+        try:
+            g = float(item)
+        except ValueError:
+            raise ValueError(f"--guard: {item!r} is not a number") from None
+        if not (math.isfinite(g) and g > 0):
+            raise ValueError(f"--guard: {item} is not a margin > 0 (nats)")
+        out.append(g)
+    return out
 
 
 def _parse_ratios(value: str) -> list[float]:
@@ -148,6 +165,7 @@ def _resolve(args: argparse.Namespace) -> dict[str, Any]:
         "limit": limit,
         "strategies": _split(get("strategies"), "--strategies"),
         "ratios": _parse_ratios(get("ratios")),
+        "guards": _parse_guards(getattr(args, "guard", None)),
         "model": str(get("model")),
         "seed": int(get("seed")),
         "max_new_tokens": mnt,
@@ -206,7 +224,7 @@ def run_eval(args: argparse.Namespace, engine_factory: Any = None) -> int:
     examples = load_examples(opt["data"], datasets=opt["datasets"], limit=opt["limit"], seed=opt["seed"])
     if not examples:
         raise ValueError("no examples selected (check --datasets / --limit)")
-    configs = build_configs(opt["strategies"], opt["ratios"])
+    configs = build_configs(opt["strategies"], opt["ratios"], opt["guards"])
     adapter = _adapter_for(opt["adapter"], opt["model"])
     if engine_factory is None:
         def engine_factory() -> Any:

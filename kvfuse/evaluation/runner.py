@@ -38,16 +38,21 @@ RECORDS_FILE = "records.jsonl"
 WARMUP_DOC = ("kvfuse-eval-warmup", "This short document only warms the engine up before timing.")
 
 
+GUARD_TAG = "+guard"  # runs with GenerationOptions.guard_margin: "<strategy>+guard0.5"
+
+
 @dataclass(frozen=True)
 class Config:
-    """One (strategy, recompute ratio) setting."""
+    """One (strategy, recompute ratio[, guard margin]) setting."""
 
     strategy: str
     ratio: float
+    guard: float | None = None
 
     @property
     def label(self) -> str:
-        return self.strategy if self.strategy in RATIO_FREE else f"{self.strategy}@{self.ratio:g}"
+        name = self.strategy if self.strategy in RATIO_FREE else f"{self.strategy}@{self.ratio:g}"
+        return name if self.guard is None else f"{name}{GUARD_TAG}{self.guard:g}"
 
 
 def _registered() -> list[str] | None:
@@ -93,8 +98,9 @@ def _offline_strategies(configs: Sequence[Config]) -> list[str]:
     return out
 
 
-def build_configs(strategies: Sequence[str], ratios: Sequence[float]) -> list[Config]:
-    """`full` first (always: it is the reference), then every strategy at every ratio.
+def build_configs(strategies: Sequence[str], ratios: Sequence[float], guards: Sequence[float] = ()) -> list[Config]:
+    """`full` first (always: it is the reference), then every strategy at every ratio, each also with every guard
+    margin of `guards` (GenerationOptions.guard_margin; full is never guarded).
 
     Strategies that ignore the ratio (`full`, `reuse`) appear once, with ratio 1 / 0.
 
@@ -103,6 +109,9 @@ def build_configs(strategies: Sequence[str], ratios: Sequence[float]) -> list[Co
     """
     if not ratios:
         raise ValueError("--ratios: give at least one ratio")
+    for g in guards:
+        if not (isinstance(g, (int, float)) and math.isfinite(g) and g > 0):
+            raise ValueError(f"--guard: {g!r} is not a margin > 0 (nats)")
     for r in ratios:
         if not (isinstance(r, (int, float)) and math.isfinite(r) and 0.0 < r <= 1.0):
             raise ValueError(f"--ratios: {r!r} is not in (0, 1]")
@@ -127,9 +136,10 @@ def build_configs(strategies: Sequence[str], ratios: Sequence[float]) -> list[Co
                                  f"name:key=value, e.g. infoflow:rows=all)")
         fixed = _ratio_free(s)
         for r in ([fixed] if fixed is not None else ratios):
-            c = Config(s, round(float(r), 4))
-            if c not in out:
-                out.append(c)
+            for g in ([None] + [float(g) for g in guards]) if s != REFERENCE else [None]:
+                c = Config(s, round(float(r), 4), g)
+                if c not in out:
+                    out.append(c)
     return out
 
 
@@ -323,9 +333,10 @@ class EvalRunner:
     def label(self, cfg: Config) -> str:
         """The strategy as recorded: with the adapter tag, except for strategies that read no cache (`full`, sift:
         the base model whatever the adapter)."""
+        guard = "" if cfg.guard is None else f"{GUARD_TAG}{cfg.guard:g}"
         if cfg.strategy == REFERENCE or not self.adapter_tag:
-            return cfg.strategy
-        return cfg.strategy + self.adapter_tag if _reads_cache(cfg.strategy) else cfg.strategy
+            return cfg.strategy + guard
+        return (cfg.strategy + self.adapter_tag if _reads_cache(cfg.strategy) else cfg.strategy) + guard
 
     def key(self, example: Example, cfg: Config) -> tuple:
         return record_key(example.id, self.label(cfg), cfg.ratio, self.model, self.max_new_tokens, self.prompt,
@@ -358,6 +369,8 @@ class EvalRunner:
         """One generation; `scoring` asks the engine for log-probs from the same prefill (`return_logprobs` for
         the reference's own answer, `teacher_ids` for the reference answer teacher-forced)."""
         try:
+            if cfg.guard is not None:
+                scoring["guard_margin"] = cfg.guard
             return self.engine.generate(ex.question, ex.docs, strategy=cfg.strategy, recompute_ratio=cfg.ratio,
                                         max_new_tokens=self.max_new_tokens, temperature=0.0, seed=self.seed,
                                         **scoring)
@@ -423,6 +436,10 @@ class EvalRunner:
             "n_passages": len(ex.passages),
             "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         }
+        if cfg.guard is not None:  # where the guard handed the answer to full prefill (None: it never did)
+            g = (getattr(result, "extra", None) or {}).get("guard") or {}
+            rec["guard_margin"] = cfg.guard
+            rec["guard_escalated_at"] = None if g.get("skipped") else g.get("escalated_at")
         sparse = (getattr(result, "extra", None) or {}).get("sift")
         if isinstance(sparse, dict) and "density" in sparse:  # sift: the share of causal block pairs attended
             rec["sift_density"] = _finite(sparse["density"])

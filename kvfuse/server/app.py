@@ -172,7 +172,7 @@ def _extension(result) -> dict[str, Any]:
             "question_tokens": result.question_tokens, "recomputed_tokens": result.recomputed_tokens,
             "finish_reason": result.finish_reason, "documents": list(result.extra.get("documents", [])),
             **({"auto": result.extra["auto"]} if "auto" in result.extra else {}),
-            **({"cold": result.extra["cold"]} if "cold" in result.extra else {})}
+            **{k: result.extra[k] for k in ("cold", "guard") if k in result.extra}}
 
 
 def _finish(result) -> str:

@@ -219,3 +219,27 @@ def test_sift_records_its_attention_density(tmp_path, examples):
     recs = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
     assert {r["sift_density"] for r in recs if r["strategy"] == "sift"} == {SIFT_DENSITY}
     assert all("sift_density" not in r for r in recs if r["strategy"] != "sift")
+
+
+def test_build_configs_with_guards():
+    cfg = build_configs(["reuse", "infoflow"], [0.15], guards=[0.5, 2])
+    assert [c.label for c in cfg] == ["full", "reuse", "reuse+guard0.5", "reuse+guard2", "infoflow@0.15",
+                                      "infoflow@0.15+guard0.5", "infoflow@0.15+guard2"]
+    with pytest.raises(ValueError, match="--guard"):
+        build_configs(["reuse"], [0.15], guards=[0])
+
+
+def test_a_guarded_run_is_recorded_with_where_it_escalated(tmp_path, examples, tiny_engine):
+    """With the real engine (a tiny model): a guard above every margin makes each answer full prefill's, and the
+    record says so (escalated at the first token, every document token recomputed)."""
+    runner = _runner(tmp_path, lambda: tiny_engine("qwen2"), max_new_tokens=4, warmup=False)
+    runner.run(examples[:2], build_configs(["cacheblend"], [0.15], guards=[1e9, 1e-9]))
+    recs = {(r["example_id"], r["strategy"]): r for r in runner.store.all()}
+    for ex in examples[:2]:
+        full = recs[(ex.id, "full")]
+        high = recs[(ex.id, "cacheblend+guard1e+09")]
+        assert high["token_ids"] == full["token_ids"] and high["fidelity"] == 1.0
+        assert high["guard_escalated_at"] == 0 and high["recompute_fraction"] == 1.0
+        low, plain = recs[(ex.id, "cacheblend+guard1e-09")], recs[(ex.id, "cacheblend")]
+        assert low["guard_escalated_at"] is None and low["token_ids"] == plain["token_ids"]
+        assert plain["recompute_fraction"] < 1.0 and "guard_margin" not in plain

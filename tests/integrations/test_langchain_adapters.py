@@ -232,3 +232,18 @@ def test_strategy_auto_through_the_chat_model(tiny_engine):
     assert fast.invoke("When?", documents=DOCS).response_metadata["kvfuse"]["strategy"] == "epic"
     with pytest.raises(ValueError):
         ChatKVFuse(engine=tiny_engine, strategy="auto", model_kwargs={"gradual": True})
+
+
+def test_the_guard_is_a_setting_and_a_per_call_option(tiny_engine):
+    """guard_margin reaches the engine from ChatKVFuse's settings, per call, and through FusionRunnable."""
+    full = ChatKVFuse(engine=tiny_engine, max_tokens=4, strategy="full").invoke("Q?", documents=DOCS)
+    guarded = ChatKVFuse(engine=tiny_engine, max_tokens=4, strategy="reuse", guard_margin=1e9)
+    msg = guarded.invoke("Q?", documents=DOCS)
+    assert msg.text == full.text and msg.response_metadata["kvfuse"]["strategy"] == "full"
+    assert msg.response_metadata["kvfuse"]["extra"]["guard"]["requested"] == "reuse"
+    plain = ChatKVFuse(engine=tiny_engine, max_tokens=4, strategy="reuse")
+    assert plain.invoke("Q?", documents=DOCS, guard_margin=1e9).response_metadata["kvfuse"]["strategy"] == "full"
+    chain = FusionRunnable(tiny_engine, strategy="reuse", max_new_tokens=4)
+    out = chain.invoke({"question": "Q?", "documents": DOCS}, guard_margin=1e9)
+    assert out["kvfuse"]["strategy"] == "full" and out["kvfuse"]["extra"]["guard"]["escalated_at"] == 0
+    assert chain.invoke({"question": "Q?", "documents": DOCS})["kvfuse"]["strategy"] == "reuse"

@@ -300,3 +300,18 @@ def test_strategy_auto_through_the_llm(tiny_engine):
     assert (stats["strategy"], stats["generation_result"].extra["auto"]["ratio"]) == ("cacheblend", 0.2)
     with pytest.raises(ValueError, match="target_fidelity"):
         FusionLLM(engine=tiny_engine, strategy="auto", generate_kwargs={"target_fidelity": 2.0})
+
+
+def test_the_guard_is_a_setting_and_a_per_call_option(tiny_engine):
+    """guard_margin reaches the engine from the settings and per call: above every margin the answer is full
+    prefill's, and the costs say the guard handed it over."""
+    full = FusionLLM(engine=tiny_engine, max_new_tokens=4).complete("Q?", documents=_nodes(), strategy="full")
+    guarded = FusionLLM(engine=tiny_engine, max_new_tokens=4, strategy="reuse", guard_margin=1e9)
+    out = guarded.complete("Q?", documents=_nodes())
+    assert out.text == full.text and out.additional_kwargs["strategy"] == "full"
+    assert out.additional_kwargs["extra"]["guard"]["requested"] == "reuse"
+    plain = FusionLLM(engine=tiny_engine, max_new_tokens=4, strategy="reuse")
+    assert plain.complete("Q?", documents=_nodes(), guard_margin=1e9).additional_kwargs["strategy"] == "full"
+    assert plain.complete("Q?", documents=_nodes()).additional_kwargs["strategy"] == "reuse"
+    with pytest.raises(ValueError):
+        FusionLLM(engine=tiny_engine, guard_margin=0)

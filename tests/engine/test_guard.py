@@ -1,0 +1,125 @@
+"""The guard (GenerationOptions.guard_margin): a near-tie on the fused path hands the answer to full prefill.
+
+Escalated at the first token, the answer is full prefill's token for token; escalated mid-answer, the tokens before
+are the fused path's and every token from there is full prefill's next token given the answer so far (checked
+against full prefill's own teacher-forced scores); below every margin it changes nothing."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from cases import DOCS, QUESTION
+
+from kvfuse.engine.config import EngineConfig
+from kvfuse.engine.options import GenerationOptions
+
+N = 8
+
+
+def _margins(logprobs: torch.Tensor) -> list[float]:
+    top = logprobs.topk(2, dim=-1).values
+    return (top[:, 0] - top[:, 1]).tolist()
+
+
+@pytest.fixture
+def engine(tiny_engine):
+    eng = tiny_engine("qwen2")
+    eng.precompute(DOCS)
+    return eng
+
+
+def test_a_guard_above_every_margin_answers_by_full_prefill(engine):
+    full = engine.generate(QUESTION, DOCS, strategy="full", max_new_tokens=N, return_logprobs=True)
+    r = engine.generate(QUESTION, DOCS, strategy="reuse", max_new_tokens=N, guard_margin=1e9, return_logprobs=True)
+    assert r.token_ids == full.token_ids and r.text == full.text
+    assert r.strategy == "full" and r.recomputed_tokens == r.doc_tokens
+    g = r.extra["guard"]
+    assert g["requested"] == "reuse" and g["escalated_at"] == 0 and g["margin_nats"] == 1e9
+    assert torch.allclose(r.extra["logprobs"], full.extra["logprobs"], atol=1e-4)
+
+
+def test_a_guard_below_every_margin_changes_nothing(engine):
+    plain = engine.generate(QUESTION, DOCS, strategy="cacheblend", recompute_ratio=0.3, max_new_tokens=N,
+                            return_logprobs=True)
+    low = min(_margins(plain.extra["logprobs"]))
+    r = engine.generate(QUESTION, DOCS, strategy="cacheblend", recompute_ratio=0.3, max_new_tokens=N,
+                        guard_margin=low / 2 if low > 0 else 1e-12)
+    assert r.token_ids == plain.token_ids and r.strategy == "cacheblend" and "guard" not in r.extra
+
+
+def _mid_answer_case(engine):
+    """A (strategy, question, guard, t, fused result) where the fused answer first departs from full prefill's
+    choice at token t >= 1, and t's margin is the smallest so far (so a guard between trips there, not before)."""
+    for strategy in ("reuse", "cacheblend", "epic"):
+        for q in (QUESTION, QUESTION + " Answer briefly.", "What is this about?", "Who wrote it and when?"):
+            r = engine.generate(q, DOCS, strategy=strategy, recompute_ratio=0.15, max_new_tokens=N,
+                                return_logprobs=True)
+            m = _margins(r.extra["logprobs"])
+            full = engine.generate(q, DOCS, strategy="full", max_new_tokens=1, teacher_ids=r.token_ids)
+            choice = full.extra["teacher_logprobs"].argmax(-1).tolist()
+            d = next((i for i, tok in enumerate(r.token_ids) if choice[i] != tok), None)
+            if d is not None and d >= 1 and m[d] < min(m[:d]):
+                return strategy, q, (m[d] + min(m[:d])) / 2, d, r
+    pytest.fail("no mid-answer departure from full prefill found in the tiny model's answers")
+
+
+def test_mid_answer_escalation_continues_as_full_prefill_would(engine):
+    strategy, q, guard, t, fused = _mid_answer_case(engine)
+    r = engine.generate(q, DOCS, strategy=strategy, recompute_ratio=0.15, max_new_tokens=N, guard_margin=guard,
+                        return_logprobs=True)
+    g = r.extra["guard"]
+    assert g["escalated_at"] == t and g["requested"] == strategy and r.strategy == "full"
+    assert r.token_ids[:t] == fused.token_ids[:t]  # the fused path's confident tokens stay
+    assert r.token_ids[t] != fused.token_ids[t]  # where it departed from full prefill, full's token
+    scored = engine.generate(q, DOCS, strategy="full", max_new_tokens=1, teacher_ids=r.token_ids)
+    full_lp = scored.extra["teacher_logprobs"]
+    assert r.token_ids[t:] == full_lp[t:].argmax(-1).tolist()[:len(r.token_ids) - t]  # full's greedy from t on
+    # the answer's log-probs are re-scored under the path that served it: full prefill's
+    assert torch.allclose(r.extra["logprobs"], full_lp[:len(r.token_ids)], atol=1e-4)
+
+
+def test_an_escalating_request_does_not_disturb_the_batch(engine):
+    strategy, q, guard, t, _ = _mid_answer_case(engine)
+    solo_other = engine.generate(QUESTION, DOCS, strategy="cacheblend", recompute_ratio=0.3, max_new_tokens=N)
+    solo_guarded = engine.generate(q, DOCS, strategy=strategy, recompute_ratio=0.15, max_new_tokens=N,
+                                   guard_margin=guard)
+    streams = [engine.stream(q, DOCS, strategy=strategy, recompute_ratio=0.15, max_new_tokens=N, guard_margin=guard),
+               engine.stream(QUESTION, DOCS, strategy="cacheblend", recompute_ratio=0.3, max_new_tokens=N)]
+    results = [None, None]
+
+    def read(i):
+        for _ in streams[i]:
+            pass
+        results[i] = streams[i].result
+
+    threads = [threading.Thread(target=read, args=(i,)) for i in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert results[0].token_ids == solo_guarded.token_ids and results[0].extra["guard"]["escalated_at"] == t
+    assert results[1].token_ids == solo_other.token_ids and "guard" not in results[1].extra
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf"), "1", True])
+def test_a_bad_guard_is_refused_before_any_work(bad):
+    with pytest.raises(ValueError, match="guard_margin"):
+        GenerationOptions(guard_margin=bad)
+    with pytest.raises(ValueError, match="guard_margin"):
+        EngineConfig(guard_margin=bad)
+
+
+def test_the_engine_default_guards_every_request_that_sets_none(tiny_engine):
+    engine = tiny_engine("qwen2", guard_margin=1e9)
+    engine.precompute(DOCS)
+    full = engine.generate(QUESTION, DOCS, strategy="full", max_new_tokens=N)
+    r = engine.generate(QUESTION, DOCS, strategy="reuse", max_new_tokens=N)
+    assert r.token_ids == full.token_ids and r.extra["guard"]["margin_nats"] == 1e9
+    off = engine.generate(QUESTION, DOCS, strategy="reuse", max_new_tokens=N, guard_margin=0)
+    assert off.strategy == "reuse" and "guard" not in off.extra
+
+
+def test_full_prefill_is_never_guarded(engine):
+    r = engine.generate(QUESTION, DOCS, strategy="full", max_new_tokens=N, guard_margin=1e9)
+    assert r.strategy == "full" and "guard" not in r.extra
