@@ -100,30 +100,26 @@ def _split(value: str | None, what: str) -> list[str]:
     return items
 
 
-def _parse_guards(value: str | None) -> list[float]:
+def _parse_numbers(value: str | None, flag: str, ok, what: str) -> list[float]:
+    """A comma-separated list of numbers, each `ok(x)` (else a ValueError saying it is not `what`)."""
     out = []
-    for item in _split(value, "--guard"):
+    for item in _split(value, flag):
         try:
-            g = float(item)
+            x = float(item)
         except ValueError:
-            raise ValueError(f"--guard: {item!r} is not a number") from None
-        if not (math.isfinite(g) and g > 0):
-            raise ValueError(f"--guard: {item} is not a margin > 0 (nats)")
-        out.append(g)
+            raise ValueError(f"{flag}: {item!r} is not a number") from None
+        if not (math.isfinite(x) and ok(x)):
+            raise ValueError(f"{flag}: {item} is not {what}")
+        out.append(x)
     return out
+
+
+def _parse_guards(value: str | None) -> list[float]:
+    return _parse_numbers(value, "--guard", lambda g: g > 0, "a margin > 0 (nats)")
 
 
 def _parse_ratios(value: str) -> list[float]:
-    out = []
-    for item in _split(value, "--ratios"):
-        try:
-            r = float(item)
-        except ValueError:
-            raise ValueError(f"--ratios: {item!r} is not a number") from None
-        if not (math.isfinite(r) and 0.0 < r <= 1.0):
-            raise ValueError(f"--ratios: {item} is not in (0, 1]")
-        out.append(r)
-    return out
+    return _parse_numbers(value, "--ratios", lambda r: 0.0 < r <= 1.0, "in (0, 1]")
 
 
 def _resolve(args: argparse.Namespace) -> dict[str, Any]:

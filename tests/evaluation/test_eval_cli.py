@@ -97,6 +97,8 @@ def test_smoke_mode_reports_failures(tmp_path, capsys):
     (("--smoke", "--ratios", "0"), r"not in \(0, 1\]"),
     (("--smoke", "--ratios", "abc"), "not a number"),
     (("--smoke", "--ratios", ","), "empty list"),
+    (("--smoke", "--guard", "0"), r"--guard: 0 is not a margin > 0"),
+    (("--smoke", "--guard", "x"), r"--guard: 'x' is not a number"),
     (("--smoke", "--limit", "-1"), "--limit"),
     (("--smoke", "--max-new-tokens", "0"), "--max-new-tokens"),
     (("--smoke", "--datasets", "nope"), "unknown dataset"),
