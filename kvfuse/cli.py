@@ -243,6 +243,9 @@ def cmd_demo(args) -> int:
     from kvfuse.engine.types import as_documents
 
     data = json.loads(resources.files("kvfuse").joinpath("data/demo.json").read_text(encoding="utf-8"))
+    guard = args.demo_guard
+    if not (guard >= 0 and guard != float("inf")):
+        raise CliError(f"--guard must be a margin >= 0 (nats), got {guard}")
     args.no_disk_cache = True
     _check_model_args(args)
     _check_gen_args(args)
@@ -259,16 +262,23 @@ def cmd_demo(args) -> int:
         qdocs = [docs[i] for i in q["docs"]]
         print(f"Q: {q['question']}   [{len(qdocs)} documents]")
         answers = []
-        for strat in ("full", _strategy(args)):
+        runs = [("full", 0.0), (_strategy(args), 0.0)] + ([(_strategy(args), guard)] if guard > 0 else [])
+        for strat, margin in runs:
             r = engine.generate(q["question"], qdocs, strategy=strat, recompute_ratio=args.ratio,
-                                max_new_tokens=args.max_new_tokens, temperature=args.temperature)
-            label = strat if strat == "full" else f"{strat}@{args.ratio:.0%}"
-            print(f"  {label:<16} ttft {r.ttft_s * 1000:7.0f} ms   recomputed {r.recomputed_tokens:4d}/"
-                  f"{r.doc_tokens} doc tokens   hits {r.cache_hits}/{len(qdocs)}   -> {r.text.strip()!r}")
+                                max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                guard_margin=margin)
+            label = strat if strat == "full" else f"{strat}@{args.ratio:.0%}" + (f" guard {margin:g}" if margin else "")
+            g = r.extra.get("guard")
+            how = "" if not margin else ("   (guard not tripped)" if g is None else
+                                         f"   (handed to full prefill at token {g['escalated_at']})")
+            print(f"  {label:<22} ttft {r.ttft_s * 1000:7.0f} ms   recomputed {r.recomputed_tokens:4d}/"
+                  f"{r.doc_tokens} doc tokens   hits {r.cache_hits}/{len(qdocs)}   -> {r.text.strip()!r}{how}")
             answers.append(r.text.strip())
-        if answers[0] != answers[1]:
+        if answers[1] != answers[0]:
             print("  note: the fused answer differs from full prefill's (fusion trades exactness for speed; "
-                  "a higher --ratio moves it closer)")
+                  "a higher --ratio or a guard moves it closer)")
+        if len(answers) > 2 and answers[2] != answers[0]:
+            print("  note: the guarded answer differs from full prefill's too (its near-ties were above the margin)")
         print()
     return 0
 
@@ -602,6 +612,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="answer a few questions over a bundled document set, full vs fused")
     _add_model_args(p)
     _add_gen_args(p)
+    p.add_argument("--guard", type=float, default=0.5, dest="demo_guard", metavar="NATS",
+                   help="also answer with this guard margin (GenerationOptions.guard_margin; 0: no guarded row; "
+                        "default 0.5)")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("precompute", help="compute and store document caches from a JSON/JSONL file (or, with "

@@ -214,7 +214,8 @@ def run_eval(args: argparse.Namespace, engine_factory: Any = None) -> int:
     """
     from .data import load_examples
     from .report import write_report
-    from .runner import EvalRunner, _offline_strategies, attach_corpus, build_configs, load_engine, record_key
+    from .runner import (GUARD_TAG, EvalRunner, _offline_strategies, attach_corpus, build_configs, load_engine,
+                         record_key)
 
     opt = _resolve(args)
     examples = load_examples(opt["data"], datasets=opt["datasets"], limit=opt["limit"], seed=opt["seed"])
@@ -253,8 +254,11 @@ def run_eval(args: argparse.Namespace, engine_factory: Any = None) -> int:
 
     # example x config order: the report lists strategies in the order they were asked for (full first)
     # both the runs with the fusion adapter and those without, when on record (the report shows them side by side)
-    labels = [(c, c.strategy) for c in configs] + [(c, c.strategy + tag) for c in configs
-                                                    for tag in (ADAPTER_TAG, ONLINE_TAG) if c.strategy != "full"]
+    def label(c, tag: str = "") -> str:
+        return c.strategy + tag + ("" if c.guard is None else f"{GUARD_TAG}{c.guard:g}")
+
+    labels = [(c, label(c)) for c in configs] + [(c, label(c, tag)) for c in configs
+                                                 for tag in (ADAPTER_TAG, ONLINE_TAG) if c.strategy != "full"]
     keys = [record_key(e.id, label, c.ratio, opt["model"], opt["max_new_tokens"], opt["prompt"], opt["dtype"])
             for e in examples
             for c, label in labels]
@@ -262,7 +266,7 @@ def run_eval(args: argparse.Namespace, engine_factory: Any = None) -> int:
     if opt["report_only"]:
         if not records:
             raise ValueError(f"--report-only: none of the selected runs is on record in {out / 'records.jsonl'}")
-        tagged = sum(r["strategy"].endswith((ADAPTER_TAG, ONLINE_TAG)) for r in records)
+        tagged = sum(ADAPTER_TAG in r["strategy"] or ONLINE_TAG in r["strategy"] for r in records)
         print(f"report only: {len(records) - tagged} of {len(examples) * len(configs)} selected runs on record"
               + (f", and {tagged} with the fusion adapter" if tagged else ""), file=sys.stderr)
     rows, md = write_report(records, out, seed=opt["seed"], pareto_x=opt["pareto_x"],

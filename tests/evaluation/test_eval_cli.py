@@ -193,3 +193,17 @@ def test_runs_with_and_without_an_adapter_are_reported_side_by_side(tmp_path, ca
     bad.write_bytes(b"junk")
     with pytest.raises(ValueError, match="not a readable adapter"):
         run_eval(parse(*common, "--adapter", str(bad)), engine_factory=lambda: pytest.fail("no work"))
+
+
+def test_guarded_runs_are_reported_beside_the_unguarded_ones(tmp_path, capsys, tiny_engine):
+    from kvfuse.evaluation.data import smoke_data_path
+
+    args = parse("--data", str(smoke_data_path()), "--strategies", "reuse", "--guard", "1000", "--adapter", "none",
+                 "--out", str(tmp_path), "--no-progress", "--max-new-tokens", "3")
+    assert run_eval(args, engine_factory=lambda: tiny_engine("qwen2")) == 0
+    md = (tmp_path / "summary.md").read_text()
+    rows = {line.split("|")[2].strip(): line for line in md.splitlines() if line.startswith("| 2wikimqa")}
+    assert set(rows) == {"full", "reuse", "reuse+guard1000"}
+    guarded = rows["reuse+guard1000"].split("|")
+    assert guarded[8].strip().startswith("100.0") and guarded[-2].strip() == "100.0%"  # full's answers, all recomputed
+    assert rows["reuse"].split("|")[-2].strip() == "0.0%"
