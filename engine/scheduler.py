@@ -221,6 +221,9 @@ class Request:
             self.seq, self.pins, self.strat = old_seq, old_pins, old_strat
             self.guard = None  # not tried again at every step
             return None
+        except BaseException:
+            self.pins |= old_pins  # the request fails: released with its (old) sequence
+            raise
         decoding.close(old_seq)
         if old_pins:
             self.engine.store.memory.unpin(old_pins)

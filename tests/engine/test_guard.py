@@ -123,3 +123,25 @@ def test_the_engine_default_guards_every_request_that_sets_none(tiny_engine):
 def test_full_prefill_is_never_guarded(engine):
     r = engine.generate(QUESTION, DOCS, strategy="full", max_new_tokens=N, guard_margin=1e9)
     assert r.strategy == "full" and "guard" not in r.extra
+
+
+def test_a_failed_hand_over_fails_that_request_alone_and_leaks_nothing(engine, monkeypatch):
+    from kvfuse.engine import scheduler
+
+    strategy, q, guard, t, _ = _mid_answer_case(engine)
+    real = scheduler.Request._prefill
+
+    def broken(self, decoding, doc_ids, first):
+        if not first:
+            raise RuntimeError("the full prefill failed")
+        return real(self, decoding, doc_ids, first)
+
+    monkeypatch.setattr(scheduler.Request, "_prefill", broken)
+    free_before = engine.decoding.arena.pool.free_rows
+    with pytest.raises(RuntimeError, match="the full prefill failed"):
+        engine.generate(q, DOCS, strategy=strategy, recompute_ratio=0.15, max_new_tokens=N, guard_margin=guard)
+    assert not engine.store.memory.pins  # every pin given back
+    assert engine.decoding.arena.pool.free_rows == free_before  # and every arena row
+    monkeypatch.undo()
+    ok = engine.generate(QUESTION, DOCS, strategy="cacheblend", recompute_ratio=0.3, max_new_tokens=N)
+    assert ok.strategy == "cacheblend" and len(ok.token_ids) > 0  # the engine goes on serving
