@@ -215,3 +215,17 @@ def test_every_served_point_on_the_front_feeds_the_rate(engine):
     assert engine.ttft_rate.samples == 2
     engine.generate(QUESTION, DOCS, strategy="epic", recompute_ratio=0.15, max_new_tokens=1)  # not on it
     assert engine.ttft_rate.samples == 2
+
+
+def test_a_front_never_reads_guarded_runs_as_their_strategy():
+    """docs/quality/guard/summary20.csv holds infoflow with and without guards: the front's infoflow point is the
+    unguarded one (a guarded run's fidelity and TTFT depend on how often its guard trips)."""
+    from pathlib import Path
+
+    from kvfuse.engine.auto import quality_from_eval, rel_ttft_from
+
+    src = Path(__file__).resolve().parents[2] / "docs" / "quality" / "guard" / "summary20.csv"
+    q = quality_from_eval(src)
+    assert list(q) == [("infoflow", 0.15)]
+    assert abs(q[("infoflow", 0.15)][0] - (0.9286 + 0.8262 + 0.55) / 3) < 2e-3  # not 0.874 (guard 0.5)
+    assert list(rel_ttft_from(str(src))) == [("infoflow", 0.15)]
