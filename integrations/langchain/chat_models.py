@@ -348,8 +348,9 @@ class ChatKVFuse(BaseChatModel):
     streaming: bool = Field(default=False, description="Stream internally on invoke() (token callbacks).")
     n: int = Field(default=1, ge=1, description="Generations per prompt (generate(); n > 1 does not stream).")
     timeout: float | None = Field(default=None, gt=0, description="Seconds per call, waiting included.")
-    guard_margin: float | None = Field(default=None, gt=0, description=(
-        "Nats: a near-tie on the fused path hands the answer to full prefill (GenerationOptions.guard_margin)."))
+    guard_margin: float | None = Field(default=None, ge=0, allow_inf_nan=False, description=(
+        "Nats: a near-tie on the fused path hands the answer to full prefill (GenerationOptions.guard_margin; "
+        "0: none, None: the engine's default)."))
     max_retries: int = Field(default=0, ge=0, description="Accepted for compatibility; nothing is retried.")
     model_kwargs: dict[str, Any] = Field(default_factory=dict, description="Fusion strategy options.")
 

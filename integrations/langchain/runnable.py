@@ -71,7 +71,7 @@ class FusionRunnable(RunnableSerializable[FusionInput, dict[str, Any]]):
     seed: int | None = None
     stop: list[str] | None = None
     timeout: float | None = Field(default=None, gt=0)
-    guard_margin: float | None = Field(default=None, gt=0)
+    guard_margin: float | None = Field(default=None, ge=0, allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod

@@ -224,8 +224,9 @@ class FusionLLM(CustomLLM):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     seed: int | None = Field(default=None, description="Sampling seed (None: a fresh random seed every call).")
     stop: list[str] | None = Field(default=None, description="Strings that end the answer.")
-    guard_margin: float | None = Field(default=None, gt=0, description=(
-        "Nats: a near-tie on the fused path hands the answer to full prefill (GenerationOptions.guard_margin)."))
+    guard_margin: float | None = Field(default=None, ge=0, allow_inf_nan=False, description=(
+        "Nats: a near-tie on the fused path hands the answer to full prefill (GenerationOptions.guard_margin; "
+        "0: none, None: the engine's default)."))
     generate_kwargs: dict[str, Any] = Field(default_factory=dict,
                                             description="More generation options (validated at construction).")
 
