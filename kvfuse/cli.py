@@ -383,8 +383,10 @@ def cmd_ask(args) -> int:
     for delta in stream:
         print(delta, end="", flush=True)
     r = stream.result
+    g = r.extra.get("guard")
+    guard = "" if g is None else f", guard: {g['requested']} handed to full prefill at token {g['escalated_at']}"
     print(f"\n\n[{r.strategy} ttft {r.ttft_s * 1000:.0f} ms, recomputed {r.recomputed_tokens}/{r.doc_tokens} doc "
-          f"tokens, cache hits {r.cache_hits} misses {r.cache_misses}]", file=sys.stderr)
+          f"tokens, cache hits {r.cache_hits} misses {r.cache_misses}{guard}]", file=sys.stderr)
     return 0
 
 
@@ -642,6 +644,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--docs", help="JSON/JSONL file of documents")
     p.add_argument("--doc-ids", help="comma-separated ids to use from --docs, in this order")
     p.add_argument("--json", action="store_true", help="print the full result as JSON")
+    p.add_argument("--guard-margin", type=float, default=None, metavar="NATS",
+                   help="hand the answer to full prefill at a token whose two most likely choices are less than NATS "
+                        "apart on the fused path (GenerationOptions.guard_margin; default: none)")
     _add_model_args(p)
     _add_gen_args(p)
     p.set_defaults(func=cmd_ask)

@@ -32,3 +32,18 @@ def test_demo_shows_full_fused_and_guarded_rows(tiny_model, capsys):
 def test_a_bad_guard_is_refused_before_the_model_loads(capsys):
     assert cli.main(["demo", "--model", "/nonexistent", "--guard", "-1"]) != 0
     assert "--guard" in capsys.readouterr().err
+
+
+def test_ask_takes_a_guard(tiny_model, tmp_path, capsys):
+    import json
+
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("\n".join(json.dumps({"id": f"d{i}", "text": t}) for i, t in enumerate(
+        ["The Larkspur Observatory was built in 1887.", "Its first director was born in Dunmore."])))
+    base = ["ask", "Where was the director born?", "--docs", str(docs), "--model", str(tiny_model("qwen2")),
+            "--device", "cpu", "--dtype", "fp32", "--max-new-tokens", "3", "--strategy", "reuse",
+            "--cache-dir", str(tmp_path / "cache")]
+    assert cli.main([*base, "--guard-margin", "1e9"]) == 0
+    assert "reuse handed to full prefill at token 0" in capsys.readouterr().err
+    assert cli.main([*base, "--guard-margin", "-1"]) != 0
+    assert "guard_margin" in capsys.readouterr().err
