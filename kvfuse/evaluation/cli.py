@@ -48,6 +48,9 @@ def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="a JSONL file or a folder of them (the evaluation data, e.g. ../shared/data)")
     p.add_argument("--datasets", metavar="A,B", help="only these values of the 'dataset' field (default: all)")
     p.add_argument("--limit", type=int, metavar="N", help="examples per dataset, after a seeded shuffle")
+    p.add_argument("--skip", type=int, metavar="N",
+                   help="leave out the first N of each dataset's seeded order first (--skip 20 --limit 20: the "
+                        "second twenty, e.g. a slice not used to pick a setting; default 0)")
     p.add_argument("--strategies", metavar="S,T",
                    help=f"strategies to compare; full always runs as the reference; a variant is "
                         f"name:key=value[:key=value] (its constructor's options, e.g. infoflow:rows=all:depth=0.333; "
@@ -140,6 +143,9 @@ def _resolve(args: argparse.Namespace) -> dict[str, Any]:
     limit = get("limit")
     if limit is not None and limit < 0:
         raise ValueError(f"--limit must be >= 0, got {limit}")
+    skip = getattr(args, "skip", None) or 0
+    if skip < 0:
+        raise ValueError(f"--skip must be >= 0, got {skip}")
     mnt = int(get("max_new_tokens"))
     if mnt < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {mnt}")
@@ -159,6 +165,7 @@ def _resolve(args: argparse.Namespace) -> dict[str, Any]:
         "data": Path(data),
         "datasets": _split(get("datasets"), "--datasets") or None,
         "limit": limit,
+        "skip": skip,
         "strategies": _split(get("strategies"), "--strategies"),
         "ratios": _parse_ratios(get("ratios")),
         "guards": _parse_guards(getattr(args, "guard", None)),
@@ -218,7 +225,8 @@ def run_eval(args: argparse.Namespace, engine_factory: Any = None) -> int:
                          record_key)
 
     opt = _resolve(args)
-    examples = load_examples(opt["data"], datasets=opt["datasets"], limit=opt["limit"], seed=opt["seed"])
+    examples = load_examples(opt["data"], datasets=opt["datasets"], limit=opt["limit"], seed=opt["seed"],
+                             skip=opt["skip"])
     if not examples:
         raise ValueError("no examples selected (check --datasets / --limit)")
     configs = build_configs(opt["strategies"], opt["ratios"], opt["guards"])

@@ -129,17 +129,20 @@ def _dataset_seed(seed: int, dataset: str) -> int:
 
 
 def select_examples(examples: list[Example], datasets: list[str] | None = None, limit: int | None = None,
-                    seed: int = 0) -> list[Example]:
-    """Filters on dataset, shuffles each dataset deterministically by `seed`, keeps the first `limit` of each.
+                    seed: int = 0, skip: int = 0) -> list[Example]:
+    """Filters on dataset, shuffles each dataset deterministically by `seed`, drops the first `skip` of each and
+    keeps the next `limit` (so `skip=20, limit=20` is the second twenty of each: a slice not looked at before).
 
     Examples are sorted by id before the shuffle, so file order does not matter. Output is grouped by dataset,
     in the order of `datasets` when given, otherwise sorted by name.
 
     Raises:
-        ValueError: for a requested dataset that is not in the data, or a negative limit.
+        ValueError: for a requested dataset that is not in the data, or a negative limit or skip.
     """
     if limit is not None and limit < 0:
         raise ValueError(f"--limit must be >= 0, got {limit}")
+    if isinstance(skip, bool) or not isinstance(skip, int) or skip < 0:
+        raise ValueError(f"--skip must be an int >= 0, got {skip!r}")
     by_ds: dict[str, list[Example]] = {}
     for ex in examples:
         by_ds.setdefault(ex.dataset, []).append(ex)
@@ -155,11 +158,12 @@ def select_examples(examples: list[Example], datasets: list[str] | None = None, 
     for name in order:
         items = sorted(by_ds[name], key=lambda e: e.id)
         random.Random(_dataset_seed(seed, name)).shuffle(items)
+        items = items[skip:]
         out.extend(items if limit is None else items[:limit])
     return out
 
 
 def load_examples(path: str | Path, datasets: list[str] | None = None, limit: int | None = None,
-                  seed: int = 0) -> list[Example]:
+                  seed: int = 0, skip: int = 0) -> list[Example]:
     """`read_jsonl` then `select_examples`."""
-    return select_examples(read_jsonl(path), datasets=datasets, limit=limit, seed=seed)
+    return select_examples(read_jsonl(path), datasets=datasets, limit=limit, seed=seed, skip=skip)

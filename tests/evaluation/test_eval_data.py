@@ -84,3 +84,14 @@ def test_missing_passage_id_is_content_hash(tmp_path):
     row = _row(0, "x", passages=[{"title": "T", "text": "body"}])
     ex = read_jsonl(_write(tmp_path / "a.jsonl", [row]))[0]
     assert ex.docs[0][0] == "p" + hashlib.sha1(b"T\0body").hexdigest()[:16]
+
+
+def test_skip_takes_the_next_slice_of_the_same_seeded_order(tmp_path):
+    from kvfuse.evaluation.data import select_examples
+
+    examples = read_jsonl(smoke_data_path()) * 1
+    full = select_examples(examples, limit=None)
+    assert select_examples(examples, skip=1, limit=1) == full[1:2]
+    assert select_examples(examples, skip=len(full)) == []
+    with pytest.raises(ValueError, match="--skip"):
+        select_examples(examples, skip=-1)
