@@ -359,7 +359,8 @@ class FusionEngine:
 
     def _options(self, options: GenerationOptions | None, kwargs: dict[str, Any], *, chat: bool = False) -> tuple:
         """A request's options (`options` overridden by the keywords), checked against this engine; returns
-        (strategy, ratio, max_new, sampler, stop, teacher, return_logprobs, auto, guard) (see Request)."""
+        (strategy, ratio, max_new, sampler, stop, teacher, return_logprobs, auto, guard, guard_tokens) (see
+        Request)."""
         if options is None:
             options = GenerationOptions.from_kwargs(**kwargs)
         elif isinstance(options, GenerationOptions):
@@ -382,7 +383,8 @@ class FusionEngine:
             options.teacher_ids, "teacher_ids", self.decoder.spec.vocab, max_len=room), dtype=torch.long)
         guard = self.config.guard_margin if options.guard_margin is None else options.guard_margin
         return (strat, options.recompute_ratio, max_new_tokens, sampler, list(options.stop), teacher,
-                options.return_logprobs, auto, guard or None)
+                options.return_logprobs, auto, guard or None,
+                self.config.guard_tokens if options.guard_tokens is None else options.guard_tokens)
 
     # -- strategy="auto" (engine/auto.py) ---------------------------------------------------------------------
     def _check_front(self) -> Front:

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from .prompt import PromptFormat
-from .validate import check_dir_path, check_real, check_redis_url
+from .validate import check_dir_path, check_int, check_real, check_redis_url
 
 __all__ = ["COLD_DOCUMENTS", "EngineConfig", "resolve_device", "resolve_dtype"]
 
@@ -144,6 +144,8 @@ class EngineConfig:
         guard_margin: the guard every request gets unless it sets its own (`GenerationOptions.guard_margin`; a
             request's 0 turns it off): nats, None for none (the default). A fused answer's token whose two most
             likely tokens are less than this apart hands the answer to full prefill from there.
+        guard_tokens: how many of the answer's first tokens that guard checks, for requests that set none
+            (`GenerationOptions.guard_tokens`); None: every token.
         decode_tokens: KV rows kept for running requests (their computed prompt rows and answers), beyond the
             documents' memory budget (0: twice the context window, capped at 2 x 32768). With the pool tier they are
             rows of the same pool (a document's rows are read in place, never copied; requests may also take rows
@@ -184,6 +186,7 @@ class EngineConfig:
     scheduler_cpu_threads: int | None = None
     cold_documents: str = "compute"
     guard_margin: float | None = None
+    guard_tokens: int | None = None
 
     def cache_secret_bytes(self) -> bytes | None:
         """The disk cache's signing secret: `cache_secret`, else $KVFUSE_CACHE_SECRET, else None (unsigned)."""
@@ -211,6 +214,8 @@ class EngineConfig:
             raise ValueError(f"cold_documents must be one of {COLD_DOCUMENTS}, got {self.cold_documents!r}")
         if self.guard_margin is not None:
             check_real(self.guard_margin, "guard_margin", low=0.0)
+        if self.guard_tokens is not None:
+            check_int(self.guard_tokens, "guard_tokens", minimum=1)
         if not self.disk_retry_s >= 0:
             raise ValueError(f"disk_retry_s must be >= 0 seconds, got {self.disk_retry_s}")
         if self.redis_url is not None:

@@ -63,6 +63,8 @@ class GenerationOptions:
             that one on is full prefill's (`result.strategy == "full"`, `result.extra["guard"]` says where and
             from what). Almost every fused answer that differs from full prefill's starts at such a token, mostly
             the first (docs/quality/guard.md); a guarded request costs one full prefill more when it trips.
+        guard_tokens: how many of the answer's first tokens the guard checks (>= 1; None: every token). 1 checks
+            the first token only: a hand-over then costs TTFT and never stalls a stream mid-answer.
     """
 
     strategy: str | Strategy = DEFAULT_STRATEGY
@@ -78,6 +80,7 @@ class GenerationOptions:
     target_fidelity: float | None = None
     ttft_budget_s: float | None = None
     guard_margin: float | None = None
+    guard_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.strategy_options, Mapping):
@@ -107,6 +110,8 @@ class GenerationOptions:
         set_ = object.__setattr__
         if self.guard_margin is not None:
             set_(self, "guard_margin", check_real(self.guard_margin, "guard_margin", low=0.0))
+        if self.guard_tokens is not None:
+            set_(self, "guard_tokens", check_int(self.guard_tokens, "guard_tokens", minimum=1))
         set_(self, "strategy_options", MappingProxyType(opts))
         set_(self, "recompute_ratio", check_real(self.recompute_ratio, "recompute_ratio", low=0.0, high=1.0))
         set_(self, "max_new_tokens", check_int(self.max_new_tokens, "max_new_tokens", minimum=1))

@@ -60,7 +60,8 @@ class Request:
     Args:
         engine: the FusionEngine (its prompt building, cache service and runner do the work).
         question / docs / messages: what to answer (a chat when `messages` is given).
-        strat, ratio, max_new, sampler, stop, teacher, return_logprobs, auto, guard: validated options.
+        strat, ratio, max_new, sampler, stop, teacher, return_logprobs, auto, guard, guard_tokens: validated
+            options.
     Attributes:
         cancel: set by the reader (close, drop) to end the request at the next step.
         sink: `sink((kind, value))` delivers DELTA text, then DONE result or ERROR exception (set by the stream).
@@ -68,13 +69,14 @@ class Request:
 
     def __init__(self, engine, question: str, docs: list, messages: list | None, strat, ratio: float, max_new: int,
                  sampler, stop: list[str], teacher: torch.Tensor | None, return_logprobs: bool,
-                 auto: tuple | None = None, guard: float | None = None) -> None:
+                 auto: tuple | None = None, guard: float | None = None, guard_tokens: int | None = None) -> None:
         self.engine = engine
         self.question, self.docs, self.messages = question, docs, messages
         self.strat, self.ratio, self.max_new, self.sampler = strat, ratio, max_new, sampler
         self.stop, self.teacher, self.return_logprobs = stop, teacher, return_logprobs
         self.auto = auto  # strategy="auto": (target_fidelity, ttft_budget_s); the strategy is picked at start
         self.guard = guard  # GenerationOptions.guard_margin: below this top-2 margin, full prefill takes over
+        self.guard_tokens = guard_tokens  # ... checked on the answer's first this many tokens (None: all)
         self.cancel = threading.Event()
         self.sink: Callable[[tuple[str, Any]], None] | None = None
         self.t_call = time.perf_counter()
@@ -199,7 +201,8 @@ class Request:
     @property
     def guarding(self) -> bool:
         """Whether this request's tokens are checked: a guard is set and its path is not full prefill already."""
-        return self.guard is not None and self.strat is not None and self.strat.name != "full"
+        return (self.guard is not None and self.strat is not None and self.strat.name != "full"
+                and (self.guard_tokens is None or len(self.tokens) < self.guard_tokens))
 
     def _escalated(self, step: int, margin: float) -> None:
         self.extra["guard"] = {"requested": self.strat.name, "ratio": float(self._reported_ratio()),

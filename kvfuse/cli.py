@@ -40,9 +40,9 @@ def _engine(args):
     cold = getattr(args, "cold_documents", None)
     if cold is not None:
         config["cold_documents"] = cold
-    guard = getattr(args, "guard_margin", None)
-    if guard is not None:
-        config["guard_margin"] = guard
+    for name in ("guard_margin", "guard_tokens"):
+        if getattr(args, name, None) is not None:
+            config[name] = getattr(args, name)
     return FusionEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype,
                                         cache_dir=args.cache_dir, disk_cache=not getattr(args, "no_disk_cache", False),
                                         adapter=_adapter_arg(getattr(args, "adapter", None)), **config)
@@ -677,6 +677,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the guard of every request that sets none: a token of a fused answer whose two most likely "
                         "tokens are less than NATS apart hands the answer to full prefill from there (default: none; "
                         "a request's guard_margin 0 turns it off)")
+    p.add_argument("--guard-tokens", type=int, default=None, metavar="N",
+                   help="that guard checks only the answer's first N tokens (default: every token)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     p.add_argument("--front", default=None, help="a measured front (kvfuse front) for strategy 'auto', instead of "
                                                 "the one shipped for the model")

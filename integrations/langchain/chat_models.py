@@ -351,6 +351,8 @@ class ChatKVFuse(BaseChatModel):
     guard_margin: float | None = Field(default=None, ge=0, allow_inf_nan=False, description=(
         "Nats: a near-tie on the fused path hands the answer to full prefill (GenerationOptions.guard_margin; "
         "0: none, None: the engine's default)."))
+    guard_tokens: int | None = Field(default=None, ge=1, description=(
+        "How many of the answer's first tokens the guard checks (None: every token)."))
     max_retries: int = Field(default=0, ge=0, description="Accepted for compatibility; nothing is retried.")
     model_kwargs: dict[str, Any] = Field(default_factory=dict, description="Fusion strategy options.")
 
@@ -463,6 +465,7 @@ class ChatKVFuse(BaseChatModel):
                 "temperature": kwargs.pop("temperature", self.temperature),
                 "top_p": kwargs.pop("top_p", self.top_p),
                 "guard_margin": kwargs.pop("guard_margin", self.guard_margin),
+                "guard_tokens": kwargs.pop("guard_tokens", self.guard_tokens),
                 "stop": list(stop) if stop else (list(self.stop) if self.stop else None)}
         if strategy == self.strategy:
             opts.update(self.model_kwargs)
@@ -474,7 +477,7 @@ class ChatKVFuse(BaseChatModel):
         if kwargs:
             raise TypeError(f"ChatKVFuse got unexpected keyword arguments {sorted(kwargs)}; per call it takes "
                             "documents, strategy, recompute_ratio, max_tokens, temperature, top_p, seed, timeout, "
-                            "guard_margin, response_format and stop")
+                            "guard_margin, guard_tokens, response_format and stop")
         seeds = [seed if seed is None else seed + i for i in range(self.n)]
         chat = messages_to_chat(messages)
         call = _Call(messages=chat, question=None, docs=docs, opts=opts, timeout=timeout,

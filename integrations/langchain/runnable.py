@@ -55,7 +55,8 @@ class FusionRunnable(RunnableSerializable[FusionInput, dict[str, Any]]):
         retriever: optional; any Runnable from a question string to documents (a LangChain retriever).
         strategy, recompute_ratio, max_new_tokens (alias max_tokens), temperature, top_p, seed (None: a fresh
             random seed per call), stop, timeout (seconds, waiting for the engine included), guard_margin (nats:
-            a near-tie on the fused path hands the answer to full prefill; GenerationOptions): generation defaults;
+            a near-tie on the fused path hands the answer to full prefill; GenerationOptions), guard_tokens (how
+            many of the answer's first tokens it checks; None: all): generation defaults;
             `invoke(..., strategy=...)` etc. override them per call. Unknown settings are an error.
     """
 
@@ -72,6 +73,7 @@ class FusionRunnable(RunnableSerializable[FusionInput, dict[str, Any]]):
     stop: list[str] | None = None
     timeout: float | None = Field(default=None, gt=0)
     guard_margin: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    guard_tokens: int | None = Field(default=None, ge=1)
 
     @model_validator(mode="before")
     @classmethod
@@ -119,7 +121,8 @@ class FusionRunnable(RunnableSerializable[FusionInput, dict[str, Any]]):
             stop = [stop]
         return ChatKVFuse(engine=self.engine, strategy=opts["strategy"], recompute_ratio=opts["recompute_ratio"],
                           max_tokens=opts["max_new_tokens"], temperature=opts["temperature"], top_p=opts["top_p"],
-                          seed=opts["seed"], stop=stop, timeout=opts["timeout"], guard_margin=opts["guard_margin"])
+                          seed=opts["seed"], stop=stop, timeout=opts["timeout"], guard_margin=opts["guard_margin"],
+                          guard_tokens=opts["guard_tokens"])
 
     @staticmethod
     def _output(question: str, docs: list[Any], message: AIMessage) -> dict[str, Any]:

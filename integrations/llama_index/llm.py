@@ -48,7 +48,8 @@ UNFUSED_WARNING_CHARS = 1000
 _warned: set[str] = set()  # one-time warnings already given (tests may clear it)
 
 #: Per-call generation keywords (besides `documents`); `max_new_tokens` is accepted as another name of `max_tokens`.
-CALL_OPTIONS = ("strategy", "recompute_ratio", "max_tokens", "temperature", "top_p", "seed", "stop", "guard_margin")
+CALL_OPTIONS = ("strategy", "recompute_ratio", "max_tokens", "temperature", "top_p", "seed", "stop", "guard_margin",
+                "guard_tokens")
 _ALIASES = {"max_new_tokens": "max_tokens"}
 _ROLES = {MessageRole.SYSTEM: "system", MessageRole.DEVELOPER: "system", MessageRole.USER: "user",
           MessageRole.ASSISTANT: "assistant", MessageRole.CHATBOT: "assistant", MessageRole.MODEL: "assistant"}
@@ -174,7 +175,8 @@ class FusionLLM(CustomLLM):
     out the engine's way: a lone prompt goes to `FusionEngine.generate` (cached instruction prefix, document
     reordering for the strategies that do it); with a system prompt or earlier turns they are written into the last
     user turn. Per-call keywords `strategy`, `recompute_ratio`, `max_tokens` (or `max_new_tokens`), `temperature`,
-    `top_p`, `seed`, `stop`, `guard_margin` override the settings; any other keyword raises `TypeError`.
+    `top_p`, `seed`, `stop`, `guard_margin`, `guard_tokens` override the settings; any other keyword raises
+    `TypeError`.
 
     Each `CompletionResponse`/`ChatResponse` has `raw = {"model", "finish_reason", "usage"}`, `usage` as
     OpenAI names it (`prompt_tokens`, `completion_tokens`, `total_tokens`, `cached_tokens`, and
@@ -202,7 +204,8 @@ class FusionLLM(CustomLLM):
         stop: strings that end the answer.
         strategy, recompute_ratio: the fusion strategy and the fraction of document tokens it recomputes.
         guard_margin: nats; a near-tie on the fused path hands the answer to full prefill from that token on
-            (`GenerationOptions.guard_margin`; None: never).
+            (`GenerationOptions.guard_margin`; None: the engine's default); guard_tokens: how many of the answer's
+            first tokens it checks (None: all).
         system_prompt: sent as the system turn of every call (through the chat template).
         generate_kwargs: more generation options for every call: any of the settings above not set explicitly
             (`temperature`, `top_p`, `seed`, `stop`, `max_tokens`, `recompute_ratio`, `strategy`) and the
@@ -227,6 +230,8 @@ class FusionLLM(CustomLLM):
     guard_margin: float | None = Field(default=None, ge=0, allow_inf_nan=False, description=(
         "Nats: a near-tie on the fused path hands the answer to full prefill (GenerationOptions.guard_margin; "
         "0: none, None: the engine's default)."))
+    guard_tokens: int | None = Field(default=None, ge=1, description=(
+        "How many of the answer's first tokens the guard checks (None: every token)."))
     generate_kwargs: dict[str, Any] = Field(default_factory=dict,
                                             description="More generation options (validated at construction).")
 

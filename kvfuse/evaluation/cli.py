@@ -88,6 +88,9 @@ def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="also run every strategy with these guard margins (nats; GenerationOptions.guard_margin: a "
                         "near-tie on the fused path hands the answer to full prefill there), recorded as "
                         "'<strategy>+guard<M>' (default: none)")
+    p.add_argument("--guard-tokens", type=int, dest="guard_tokens", metavar="N",
+                   help="the --guard runs check only the answer's first N tokens (GenerationOptions.guard_tokens; "
+                        "recorded as '+guard<M>/<N>'; default: every token)")
     p.add_argument("--device", help="engine device (default: the engine's choice)")
     p.add_argument("--dtype", help="engine dtype, e.g. bfloat16 or float32 (default: the engine's choice)")
     p.add_argument("--no-progress", action="store_true", dest="no_progress", help="no progress bar")
@@ -115,6 +118,12 @@ def _parse_numbers(value: str | None, flag: str, ok, what: str) -> list[float]:
             raise ValueError(f"{flag}: {item} is not {what}")
         out.append(x)
     return out
+
+
+def _guard_tokens(value: int | None) -> int | None:
+    if value is not None and value < 1:
+        raise ValueError(f"--guard-tokens must be >= 1, got {value}")
+    return value
 
 
 def _parse_guards(value: str | None) -> list[float]:
@@ -169,6 +178,7 @@ def _resolve(args: argparse.Namespace) -> dict[str, Any]:
         "strategies": _split(get("strategies"), "--strategies"),
         "ratios": _parse_ratios(get("ratios")),
         "guards": _parse_guards(getattr(args, "guard", None)),
+        "guard_tokens": _guard_tokens(getattr(args, "guard_tokens", None)),
         "model": str(get("model")),
         "seed": int(get("seed")),
         "max_new_tokens": mnt,
@@ -221,7 +231,7 @@ def run_eval(args: argparse.Namespace, engine_factory: Any = None) -> int:
     """
     from .data import load_examples
     from .report import write_report
-    from .runner import (GUARD_TAG, EvalRunner, _offline_strategies, attach_corpus, build_configs, load_engine,
+    from .runner import (EvalRunner, _offline_strategies, attach_corpus, build_configs, load_engine,
                          record_key)
 
     opt = _resolve(args)
@@ -229,7 +239,7 @@ def run_eval(args: argparse.Namespace, engine_factory: Any = None) -> int:
                              skip=opt["skip"])
     if not examples:
         raise ValueError("no examples selected (check --datasets / --limit)")
-    configs = build_configs(opt["strategies"], opt["ratios"], opt["guards"])
+    configs = build_configs(opt["strategies"], opt["ratios"], opt["guards"], opt["guard_tokens"])
     adapter = _adapter_for(opt["adapter"], opt["model"])
     if engine_factory is None:
         def engine_factory() -> Any:
@@ -263,7 +273,7 @@ def run_eval(args: argparse.Namespace, engine_factory: Any = None) -> int:
     # example x config order: the report lists strategies in the order they were asked for (full first)
     # both the runs with the fusion adapter and those without, when on record (the report shows them side by side)
     def label(c, tag: str = "") -> str:
-        return c.strategy + tag + ("" if c.guard is None else f"{GUARD_TAG}{c.guard:g}")
+        return c.strategy + tag + c.guard_tag
 
     labels = [(c, label(c)) for c in configs] + [(c, label(c, tag)) for c in configs
                                                  for tag in (ADAPTER_TAG, ONLINE_TAG) if c.strategy != "full"]

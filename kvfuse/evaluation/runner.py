@@ -38,7 +38,7 @@ RECORDS_FILE = "records.jsonl"
 WARMUP_DOC = ("kvfuse-eval-warmup", "This short document only warms the engine up before timing.")
 
 
-GUARD_TAG = "+guard"  # runs with GenerationOptions.guard_margin: "<strategy>+guard0.5"
+GUARD_TAG = "+guard"  # runs with GenerationOptions.guard_margin: "<strategy>+guard0.5" ("+guard0.5/1": guard_tokens 1)
 
 
 @dataclass(frozen=True)
@@ -48,11 +48,18 @@ class Config:
     strategy: str
     ratio: float
     guard: float | None = None
+    guard_tokens: int | None = None
+
+    @property
+    def guard_tag(self) -> str:
+        if self.guard is None:
+            return ""
+        return f"{GUARD_TAG}{self.guard:g}" + ("" if self.guard_tokens is None else f"/{self.guard_tokens}")
 
     @property
     def label(self) -> str:
         name = self.strategy if self.strategy in RATIO_FREE else f"{self.strategy}@{self.ratio:g}"
-        return name if self.guard is None else f"{name}{GUARD_TAG}{self.guard:g}"
+        return name + self.guard_tag
 
 
 def _registered() -> list[str] | None:
@@ -98,9 +105,11 @@ def _offline_strategies(configs: Sequence[Config]) -> list[str]:
     return out
 
 
-def build_configs(strategies: Sequence[str], ratios: Sequence[float], guards: Sequence[float] = ()) -> list[Config]:
+def build_configs(strategies: Sequence[str], ratios: Sequence[float], guards: Sequence[float] = (),
+                  guard_tokens: int | None = None) -> list[Config]:
     """`full` first (always: it is the reference), then every strategy at every ratio, each also with every guard
-    margin of `guards` (GenerationOptions.guard_margin; full is never guarded).
+    margin of `guards` (GenerationOptions.guard_margin, checking the first `guard_tokens` answer tokens; full is
+    never guarded).
 
     Strategies that ignore the ratio (`full`, `reuse`) appear once, with ratio 1 / 0.
 
@@ -137,7 +146,7 @@ def build_configs(strategies: Sequence[str], ratios: Sequence[float], guards: Se
         fixed = _ratio_free(s)
         for r in ([fixed] if fixed is not None else ratios):
             for g in ([None] + [float(g) for g in guards]) if s != REFERENCE else [None]:
-                c = Config(s, round(float(r), 4), g)
+                c = Config(s, round(float(r), 4), g, None if g is None else guard_tokens)
                 if c not in out:
                     out.append(c)
     return out
@@ -333,7 +342,7 @@ class EvalRunner:
     def label(self, cfg: Config) -> str:
         """The strategy as recorded: with the adapter tag, except for strategies that read no cache (`full`, sift:
         the base model whatever the adapter)."""
-        guard = "" if cfg.guard is None else f"{GUARD_TAG}{cfg.guard:g}"
+        guard = cfg.guard_tag
         if cfg.strategy == REFERENCE or not self.adapter_tag:
             return cfg.strategy + guard
         return (cfg.strategy + self.adapter_tag if _reads_cache(cfg.strategy) else cfg.strategy) + guard
@@ -371,6 +380,7 @@ class EvalRunner:
         try:
             if cfg.guard is not None:
                 scoring["guard_margin"] = cfg.guard
+                scoring["guard_tokens"] = cfg.guard_tokens
             return self.engine.generate(ex.question, ex.docs, strategy=cfg.strategy, recompute_ratio=cfg.ratio,
                                         max_new_tokens=self.max_new_tokens, temperature=0.0, seed=self.seed,
                                         **scoring)

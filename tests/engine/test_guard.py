@@ -118,6 +118,8 @@ def test_the_engine_default_guards_every_request_that_sets_none(tiny_engine):
     assert r.token_ids == full.token_ids and r.extra["guard"]["margin_nats"] == 1e9
     off = engine.generate(QUESTION, DOCS, strategy="reuse", max_new_tokens=N, guard_margin=0)
     assert off.strategy == "reuse" and "guard" not in off.extra
+    with pytest.raises(ValueError, match="guard_tokens"):
+        EngineConfig(guard_tokens=0)
 
 
 def test_full_prefill_is_never_guarded(engine):
@@ -145,3 +147,20 @@ def test_a_failed_hand_over_fails_that_request_alone_and_leaks_nothing(engine, m
     monkeypatch.undo()
     ok = engine.generate(QUESTION, DOCS, strategy="cacheblend", recompute_ratio=0.3, max_new_tokens=N)
     assert ok.strategy == "cacheblend" and len(ok.token_ids) > 0  # the engine goes on serving
+
+
+def test_guard_tokens_limits_the_check_to_the_answers_first_tokens(engine):
+    strategy, q, guard, t, fused = _mid_answer_case(engine)
+    kw = dict(strategy=strategy, recompute_ratio=0.15, max_new_tokens=N, guard_margin=guard)
+    early = engine.generate(q, DOCS, guard_tokens=t, **kw)  # tokens 0..t-1 checked: none below the margin
+    assert early.token_ids == fused.token_ids and early.strategy == strategy and "guard" not in early.extra
+    late = engine.generate(q, DOCS, guard_tokens=t + 1, **kw)
+    assert late.extra["guard"]["escalated_at"] == t and late.token_ids[t] != fused.token_ids[t]
+    first = engine.generate(QUESTION, DOCS, strategy="reuse", max_new_tokens=N, guard_margin=1e9, guard_tokens=1)
+    assert first.extra["guard"]["escalated_at"] == 0  # the first token is always checked
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
+def test_a_bad_guard_tokens_is_refused(bad):
+    with pytest.raises(ValueError, match="guard_tokens"):
+        GenerationOptions(guard_margin=0.5, guard_tokens=bad)

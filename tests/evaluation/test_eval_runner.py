@@ -227,6 +227,8 @@ def test_build_configs_with_guards():
                                       "infoflow@0.15+guard0.5", "infoflow@0.15+guard2"]
     with pytest.raises(ValueError, match="--guard"):
         build_configs(["reuse"], [0.15], guards=[0])
+    assert [c.label for c in build_configs(["reuse"], [0.15], guards=[0.5], guard_tokens=1)] == [
+        "full", "reuse", "reuse+guard0.5/1"]
 
 
 def test_a_guarded_run_is_recorded_with_where_it_escalated(tmp_path, examples, tiny_engine):

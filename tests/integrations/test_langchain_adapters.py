@@ -247,6 +247,8 @@ def test_the_guard_is_a_setting_and_a_per_call_option(tiny_engine):
     out = chain.invoke({"question": "Q?", "documents": DOCS}, guard_margin=1e9)
     assert out["kvfuse"]["strategy"] == "full" and out["kvfuse"]["extra"]["guard"]["escalated_at"] == 0
     assert chain.invoke({"question": "Q?", "documents": DOCS})["kvfuse"]["strategy"] == "reuse"
+    once = chain.invoke({"question": "Q?", "documents": DOCS}, guard_margin=1e9, guard_tokens=1)
+    assert once["kvfuse"]["extra"]["guard"]["escalated_at"] == 0
     for bad in (-1, float("nan"), float("inf")):
         with pytest.raises(ValueError):
             ChatKVFuse(engine=tiny_engine, guard_margin=bad)

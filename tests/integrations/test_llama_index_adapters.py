@@ -313,6 +313,8 @@ def test_the_guard_is_a_setting_and_a_per_call_option(tiny_engine):
     plain = FusionLLM(engine=tiny_engine, max_new_tokens=4, strategy="reuse")
     assert plain.complete("Q?", documents=_nodes(), guard_margin=1e9).additional_kwargs["strategy"] == "full"
     assert plain.complete("Q?", documents=_nodes()).additional_kwargs["strategy"] == "reuse"
+    once = plain.complete("Q?", documents=_nodes(), guard_margin=1e9, guard_tokens=1)
+    assert once.additional_kwargs["extra"]["guard"]["escalated_at"] == 0
     for bad in (-1, float("nan"), float("inf")):
         with pytest.raises(ValueError):
             FusionLLM(engine=tiny_engine, guard_margin=bad)

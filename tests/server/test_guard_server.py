@@ -12,7 +12,7 @@ QUESTION = "In which town was the first director of the Larkspur Observatory bor
 
 
 def test_a_guarded_request_is_answered_by_full_prefill_and_says_so(start_server, local_engine):
-    srv = start_server("--guard-margin", "1e9")  # every request that sets no guard of its own is guarded
+    srv = start_server("--guard-margin", "1e9", "--guard-tokens", "2")  # every request that sets no guard is guarded
     client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key=KEY, max_retries=0)
     docs = [{"id": d["id"], "text": d["text"]} for d in DOCS]
     body = {"documents": docs, "strategy": "reuse", "guard_margin": 0}  # off for this one
@@ -25,6 +25,13 @@ def test_a_guarded_request_is_answered_by_full_prefill_and_says_so(start_server,
     assert ext["guard"]["margin_nats"] == 1e9
     full = local_engine.generate(QUESTION, docs, max_new_tokens=8, temperature=0.0, strategy="full")
     assert r.choices[0].text == full.text
+    body["guard_tokens"] = 1  # the first token checked: the same hand-over
+    r = client.completions.create(model=srv.model, prompt=QUESTION, max_tokens=8, temperature=0, extra_body=body)
+    assert r.model_extra["kvfuse"]["guard"]["escalated_at"] == 0 and r.choices[0].text == full.text
+    body["guard_tokens"] = 0
+    with pytest.raises(openai.BadRequestError, match="guard_tokens"):
+        client.completions.create(model=srv.model, prompt=QUESTION, max_tokens=8, temperature=0, extra_body=body)
+    del body["guard_tokens"]
     body["guard_margin"] = -1
     with pytest.raises(openai.BadRequestError, match="guard_margin"):
         client.completions.create(model=srv.model, prompt=QUESTION, max_tokens=8, temperature=0, extra_body=body)
