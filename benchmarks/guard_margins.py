@@ -12,6 +12,13 @@ trips at the first token; mid-answer hand-overs cost decode time, not TTFT).
     python benchmarks/guard_margins.py --data ../shared/data --datasets 2wikimqa,hotpotqa,musique --limit 20 \\
         --strategies infoflow,prophetkv,cacheblend --out runs/guard_margins.jsonl
     python benchmarks/guard_margins.py --out docs/quality/guard/margins.jsonl      # pass 2 only, from the file
+
+`--eval-records` reads a `kvfuse eval --guard` records file instead and prints, per slice of the seeded order
+(`--slices 0:20,20:40`) and guarded label, the mean (TTFT + decode) over full's, the answers handed over, and the
+guard replayed on the first token only (a hand-over at token 0 is kept, a later one is undone: the unguarded
+answer), which is what `guard_tokens=1` gives:
+
+    python benchmarks/guard_margins.py --eval-records docs/quality/guard/records.jsonl --data ../shared/data
 """
 from __future__ import annotations
 
@@ -105,9 +112,53 @@ def simulate(path: str, margins=MARGINS) -> str:
     return "\n".join(lines)
 
 
+def eval_records(path: str, data: str, slices: str) -> str:
+    from kvfuse.evaluation.data import load_examples
+
+    recs = {(r["example_id"], r["strategy"]): r for r in map(json.loads, Path(path).read_text().splitlines())}
+    datasets = sorted({r["dataset"] for r in recs.values()})
+    labels = sorted({s for _, s in recs if "+guard" in s})
+    lines = []
+    for sl in slices.split(","):
+        a, b = (int(x) for x in sl.split(":"))
+        exs = load_examples(data, datasets=datasets, skip=a, limit=b - a)
+        for label in labels:
+            plain = label.split("+guard")[0]
+            per = collections.defaultdict(lambda: collections.defaultdict(float))
+            for e in exs:
+                f, u, g = (recs.get((e.id, s)) for s in ("full", plain, label))
+                if f is None or u is None or g is None:
+                    continue
+                d = per[e.dataset]
+                at = g.get("guard_escalated_at")
+                first = g if at == 0 else u
+                d["n"] += 1
+                d["handed"] += at is not None
+                d["at0"] += at == 0
+                d["fid"] += g["fidelity"]
+                d["fid1"] += first["fidelity"]
+                for key, r in (("", g), ("1", first), ("u", u), ("f", f)):
+                    d["ttft" + key] += r["ttft_s"]
+                    d["total" + key] += r["ttft_s"] + r["decode_s"]
+            if not per:
+                continue
+            m = lambda k: sum(d[k] / d["n"] for d in per.values()) / len(per)  # noqa: E731  macro over sets
+            r = lambda k: sum(d[k] / d[k[:-1] + "f" if k.endswith(("1", "u")) else k + "f"]  # noqa: E731
+                              for d in per.values()) / len(per)
+            lines.append(
+                f"examples {a + 1}-{b}, {label}: handed over {m('handed'):.0%} ({m('at0'):.0%} at the first token); "
+                f"fidelity {100 * m('fid'):.1f} (unguarded {100 * sum(recs[(e.id, plain)]['fidelity'] for e in exs if (e.id, plain) in recs) / max(1, sum((e.id, plain) in recs for e in exs)):.1f}); "
+                f"TTFT / full {r('ttft'):.2f}, (TTFT + decode) / full {r('total'):.2f} (unguarded {r('ttftu'):.2f}, "
+                f"{r('totalu'):.2f}); first token only: fidelity {100 * m('fid1'):.1f}, TTFT / full {r('ttft1'):.2f}, "
+                f"(TTFT + decode) / full {r('total1'):.2f}")
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", required=True, help="the JSONL of answers and gaps (pass 1 appends to it)")
+    p.add_argument("--out", help="the JSONL of answers and gaps (pass 1 appends to it)")
+    p.add_argument("--eval-records", dest="eval_records", help="a `kvfuse eval --guard` records.jsonl (needs --data)")
+    p.add_argument("--slices", default="0:20,20:40", help="with --eval-records: slices of each set's seeded order")
     p.add_argument("--data", help="evaluation data (../shared/data); without it, pass 2 only")
     p.add_argument("--datasets", default="2wikimqa,hotpotqa,musique")
     p.add_argument("--limit", type=int, default=20)
@@ -118,6 +169,13 @@ def main() -> None:
     p.add_argument("--device", default=None)
     p.add_argument("--max-new-tokens", type=int, default=32, dest="max_new_tokens")
     args = p.parse_args()
+    if args.eval_records:
+        if not args.data:
+            p.error("--eval-records needs --data (the slices are drawn from it)")
+        print(eval_records(args.eval_records, args.data, args.slices))
+        return
+    if not args.out:
+        p.error("give --out (the probe's record) or --eval-records")
     if args.data:
         probe(args)
     print(simulate(args.out))
