@@ -137,6 +137,7 @@ def eval_records(path: str, data: str, slices: str) -> str:
                 d["at0"] += at == 0
                 d["fid"] += g["fidelity"]
                 d["fid1"] += first["fidelity"]
+                d["fidu"] += u["fidelity"]
                 for key, r in (("", g), ("1", first), ("u", u), ("f", f)):
                     d["ttft" + key] += r["ttft_s"]
                     d["total" + key] += r["ttft_s"] + r["decode_s"]
@@ -147,7 +148,7 @@ def eval_records(path: str, data: str, slices: str) -> str:
                               for d in per.values()) / len(per)
             lines.append(
                 f"examples {a + 1}-{b}, {label}: handed over {m('handed'):.0%} ({m('at0'):.0%} at the first token); "
-                f"fidelity {100 * m('fid'):.1f} (unguarded {100 * sum(recs[(e.id, plain)]['fidelity'] for e in exs if (e.id, plain) in recs) / max(1, sum((e.id, plain) in recs for e in exs)):.1f}); "
+                f"fidelity {100 * m('fid'):.1f} (unguarded {100 * m('fidu'):.1f}); "
                 f"TTFT / full {r('ttft'):.2f}, (TTFT + decode) / full {r('total'):.2f} (unguarded {r('ttftu'):.2f}, "
                 f"{r('totalu'):.2f}); first token only: fidelity {100 * m('fid1'):.1f}, TTFT / full {r('ttft1'):.2f}, "
                 f"(TTFT + decode) / full {r('total1'):.2f}")
