@@ -48,10 +48,11 @@ class _Escalate(Exception):
         self.margin = margin
 
 
-def _margin(logits: torch.Tensor) -> float:
-    """The gap between the two largest logits of [vocab] logits (= the log-prob gap, in nats)."""
-    top = logits.float().topk(2).values
-    return float(top[0] - top[1])
+def _top2(logits: torch.Tensor) -> tuple[int, float]:
+    """(argmax, gap between the two largest logits = the log-prob gap in nats) of [vocab] logits, one host read."""
+    top = logits.float().topk(2)
+    idx, gap = torch.stack((top.indices[0].double(), top.values[0].double() - top.values[1].double())).tolist()
+    return int(idx), gap
 
 
 class Request:
@@ -170,11 +171,13 @@ class Request:
             try:
                 out = eng.prefill_runner(strat).prefill(layout.ids, segs, strat, self.ratio, extra_capacity=reserve)
                 if first:
-                    if self.guarding:
-                        margin = _margin(out.logits)
+                    greedy = None
+                    if self.guarding:  # the same read gives the greedy token
+                        greedy, margin = _top2(out.logits)
                         if margin < self.guard:
                             raise _Escalate(margin)
-                    self.first_token = self.sampler(out.logits)
+                    self.first_token = (greedy if greedy is not None and self.sampler.temperature == 0
+                                        else self.sampler(out.logits))
                     self.t_first = time.perf_counter()
                 pins = set(store.memory.held)  # the documents the sequence reads in place stay put
                 store.memory.pin(pins)
@@ -232,8 +235,7 @@ class Request:
             self.engine.store.memory.unpin(old_pins)
         if self.return_logprobs:  # the answer is re-scored under the path that serves it
             self.first_logits = out.logits.clone()
-        logits = decoding.extend(self.seq, torch.tensor(self.tokens, dtype=torch.long))
-        return logits[-1] if logits.dim() == 2 else logits.view(-1)
+        return decoding.extend(self.seq, torch.tensor(self.tokens, dtype=torch.long))[-1]
 
     def _reported_ratio(self) -> float:
         strat = self.strat
@@ -480,8 +482,9 @@ class Scheduler:
             logits = self.decoding.step([r.seq for r in batch], [r.next_token for r in batch])
             if any(r.guarding for r in batch):  # the guard reads each row's top-2 margin (the same one sync)
                 top = logits.topk(2, dim=-1)
-                greedy = top.indices[:, 0].tolist()
-                margins = (top.values[:, 0] - top.values[:, 1]).tolist()
+                greedy, margins = torch.stack((top.indices[:, 0].double(),
+                                               (top.values[:, 0] - top.values[:, 1]).double())).tolist()
+                greedy = [int(t) for t in greedy]
             else:
                 greedy, margins = logits.argmax(dim=-1).tolist(), None  # one host sync for the whole batch
         except BaseException as exc:  # noqa: BLE001  (a failed step fails the requests in it, not the engine)
