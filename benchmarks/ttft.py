@@ -226,8 +226,8 @@ def main() -> int:
                          "a request finds its bucket's graph); mixed-warm: the same requests after "
                          "`engine.warmup` over their range (the graphs a server captures at start-up); "
                          "cold-compute / cold-auto: every request brings new documents, none precomputed, with "
-                         "EngineConfig.cold_documents 'compute' (each computed alone before fusing) or 'auto' (the "
-                         "default: full prefill when that costs less; the documents' caches are built between "
+                         "EngineConfig.cold_documents 'compute' (the default: each computed alone before fusing) or "
+                         "'auto' (full prefill when that is predicted to cost less; the documents' caches are built between "
                          "requests, untimed)")
     args = ap.parse_args()
 

@@ -243,9 +243,12 @@ def cmd_demo(args) -> int:
     from kvfuse.engine.types import as_documents
 
     data = json.loads(resources.files("kvfuse").joinpath("data/demo.json").read_text(encoding="utf-8"))
-    guard = args.demo_guard
-    if not (guard >= 0 and guard != float("inf")):
-        raise CliError(f"--guard must be a margin >= 0 (nats), got {guard}")
+    from kvfuse.engine.validate import check_real
+
+    try:
+        guard = check_real(args.demo_guard, "--guard (a margin in nats)", low=0.0)
+    except ValueError as e:
+        raise CliError(str(e)) from None
     args.no_disk_cache = True
     _check_model_args(args)
     _check_gen_args(args)

@@ -152,9 +152,7 @@ def _resolve(args: argparse.Namespace) -> dict[str, Any]:
     limit = get("limit")
     if limit is not None and limit < 0:
         raise ValueError(f"--limit must be >= 0, got {limit}")
-    skip = getattr(args, "skip", None) or 0
-    if skip < 0:
-        raise ValueError(f"--skip must be >= 0, got {skip}")
+    skip = getattr(args, "skip", None) or 0  # checked where the examples are selected, before any model work
     mnt = int(get("max_new_tokens"))
     if mnt < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {mnt}")
