@@ -88,9 +88,13 @@ def simulate(path: str, margins=MARGINS) -> str:
                 if d < len(g["margin"]):
                     gaps.append(g["margin"][d])
         gaps.sort()
+        before = [x for f, g in pairs for i, x in enumerate(g["margin"])
+                  if (d := departure(f, g)) is None or i < d]  # the fused tokens that agree with full's
+        low = {t: sum(x < t for x in before) / max(1, len(before)) for t in (0.5, 1.0)}
         lines.append(f"== {s}: {len(pairs)} answers, {sum(parts.values())} part from full's "
                      f"({parts['at first token']} at the first token); the fused gap where they part, sorted: "
-                     f"{' '.join(f'{x:.2f}' for x in gaps)}")
+                     f"{' '.join(f'{x:.2f}' for x in gaps)}; of the {len(before)} tokens before any departure, "
+                     f"{low[0.5]:.1%} have a gap below 0.5 and {low[1.0]:.1%} below 1")
         lines.append("| guard (nats) | fidelity | equal to full's | handed over | at the first token | TTFT / full |")
         lines.append("|---:|---:|---:|---:|---:|---:|")
         for m in (0.0, *margins):
