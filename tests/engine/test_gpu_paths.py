@@ -3,9 +3,11 @@ tier streamed layer by layer, and CUDA-graph replay of prefills and decode steps
 reference path on the same inputs."""
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
-from cases import DOCS, QUESTION
+from cases import DOCS, QUESTION, mid_answer_departure
 from fixtures import load_tiny
 
 from kvfuse.engine.api import FusionEngine
@@ -139,6 +141,41 @@ def test_batched_decode_graphs_match_single_eager(family):
         assert [st.result.token_ids for st in streams] == [solo[i] for i in order]
     assert graphs.serving_stats()["peak_batch_size"] >= 3
     assert len(graphs.decoding.graphs.entries) >= 2  # several batch buckets captured and replayed
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_guard_hands_over_on_cuda_at_the_first_token_and_mid_answer(graphs):
+    """The guard on CUDA (pooled arena, batched decode steps replayed as graphs): above every margin the answer is
+    full prefill's; at a mid-answer near-tie the fused tokens before it stay and every token from there is full
+    prefill's greedy one given the answer so far, alone and beside another request, with every arena row back."""
+    eng = _fp32_engine("qwen2", kv_tier="pool", cuda_graphs=graphs)
+    eng.precompute(DOCS)
+    full = eng.generate(QUESTION, DOCS, strategy="full", max_new_tokens=8)
+    first = eng.generate(QUESTION, DOCS, strategy="reuse", max_new_tokens=8, guard_margin=1e9)
+    assert first.token_ids == full.token_ids and first.extra["guard"]["escalated_at"] == 0
+    strategy, q, guard, t, fused = mid_answer_departure(eng, 8)
+    kw = dict(strategy=strategy, recompute_ratio=0.15, max_new_tokens=8, guard_margin=guard)
+    free = eng.decoding.arena.pool.free_rows
+    solo = []
+    for _ in range(2):  # the second run replays what the first captured
+        g = eng.generate(q, DOCS, **kw)
+        assert g.extra["guard"]["escalated_at"] == t and g.strategy == "full"
+        assert g.token_ids[:t] == fused.token_ids[:t] and g.token_ids[t] != fused.token_ids[t]
+        scored = eng.generate(q, DOCS, strategy="full", max_new_tokens=1, teacher_ids=g.token_ids)
+        assert g.token_ids[t:] == scored.extra["teacher_logprobs"][t:].argmax(-1).tolist()[:len(g.token_ids) - t]
+        solo.append(g.token_ids)
+    assert solo[0] == solo[1]
+    other = eng.generate(QUESTION, DOCS, strategy="cacheblend", recompute_ratio=0.3, max_new_tokens=8)
+    streams = [eng.stream(q, DOCS, **kw), eng.stream(QUESTION, DOCS, strategy="cacheblend", recompute_ratio=0.3,
+                                                     max_new_tokens=8)]
+    threads = [threading.Thread(target=lambda s=s: [None for _ in s]) for s in streams]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(120)
+    assert streams[0].result.token_ids == solo[0] and streams[1].result.token_ids == other.token_ids
+    assert not eng.store.memory.pins and eng.decoding.arena.pool.free_rows == free
+    eng.close()
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])

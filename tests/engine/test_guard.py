@@ -9,17 +9,12 @@ import threading
 
 import pytest
 import torch
-from cases import DOCS, QUESTION
+from cases import DOCS, QUESTION, guard_margins, mid_answer_departure
 
 from kvfuse.engine.config import EngineConfig
 from kvfuse.engine.options import GenerationOptions
 
 N = 8
-
-
-def _margins(logprobs: torch.Tensor) -> list[float]:
-    top = logprobs.topk(2, dim=-1).values
-    return (top[:, 0] - top[:, 1]).tolist()
 
 
 @pytest.fixture
@@ -42,30 +37,14 @@ def test_a_guard_above_every_margin_answers_by_full_prefill(engine):
 def test_a_guard_below_every_margin_changes_nothing(engine):
     plain = engine.generate(QUESTION, DOCS, strategy="cacheblend", recompute_ratio=0.3, max_new_tokens=N,
                             return_logprobs=True)
-    low = min(_margins(plain.extra["logprobs"]))
+    low = min(guard_margins(plain.extra["logprobs"]))
     r = engine.generate(QUESTION, DOCS, strategy="cacheblend", recompute_ratio=0.3, max_new_tokens=N,
                         guard_margin=low / 2 if low > 0 else 1e-12)
     assert r.token_ids == plain.token_ids and r.strategy == "cacheblend" and "guard" not in r.extra
 
 
-def _mid_answer_case(engine):
-    """A (strategy, question, guard, t, fused result) where the fused answer first departs from full prefill's
-    choice at token t >= 1, and t's margin is the smallest so far (so a guard between trips there, not before)."""
-    for strategy in ("reuse", "cacheblend", "epic"):
-        for q in (QUESTION, QUESTION + " Answer briefly.", "What is this about?", "Who wrote it and when?"):
-            r = engine.generate(q, DOCS, strategy=strategy, recompute_ratio=0.15, max_new_tokens=N,
-                                return_logprobs=True)
-            m = _margins(r.extra["logprobs"])
-            full = engine.generate(q, DOCS, strategy="full", max_new_tokens=1, teacher_ids=r.token_ids)
-            choice = full.extra["teacher_logprobs"].argmax(-1).tolist()
-            d = next((i for i, tok in enumerate(r.token_ids) if choice[i] != tok), None)
-            if d is not None and d >= 1 and m[d] < min(m[:d]):
-                return strategy, q, (m[d] + min(m[:d])) / 2, d, r
-    pytest.fail("no mid-answer departure from full prefill found in the tiny model's answers")
-
-
 def test_mid_answer_escalation_continues_as_full_prefill_would(engine):
-    strategy, q, guard, t, fused = _mid_answer_case(engine)
+    strategy, q, guard, t, fused = mid_answer_departure(engine, N)
     r = engine.generate(q, DOCS, strategy=strategy, recompute_ratio=0.15, max_new_tokens=N, guard_margin=guard,
                         return_logprobs=True)
     g = r.extra["guard"]
@@ -80,7 +59,7 @@ def test_mid_answer_escalation_continues_as_full_prefill_would(engine):
 
 
 def test_an_escalating_request_does_not_disturb_the_batch(engine):
-    strategy, q, guard, t, _ = _mid_answer_case(engine)
+    strategy, q, guard, t, _ = mid_answer_departure(engine, N)
     solo_other = engine.generate(QUESTION, DOCS, strategy="cacheblend", recompute_ratio=0.3, max_new_tokens=N)
     solo_guarded = engine.generate(q, DOCS, strategy=strategy, recompute_ratio=0.15, max_new_tokens=N,
                                    guard_margin=guard)
@@ -130,7 +109,7 @@ def test_full_prefill_is_never_guarded(engine):
 def test_a_failed_hand_over_fails_that_request_alone_and_leaks_nothing(engine, monkeypatch):
     from kvfuse.engine import scheduler
 
-    strategy, q, guard, t, _ = _mid_answer_case(engine)
+    strategy, q, guard, t, _ = mid_answer_departure(engine, N)
     real = scheduler.Request._prefill
 
     def broken(self, decoding, doc_ids, first):
@@ -150,7 +129,7 @@ def test_a_failed_hand_over_fails_that_request_alone_and_leaks_nothing(engine, m
 
 
 def test_guard_tokens_limits_the_check_to_the_answers_first_tokens(engine):
-    strategy, q, guard, t, fused = _mid_answer_case(engine)
+    strategy, q, guard, t, fused = mid_answer_departure(engine, N)
     kw = dict(strategy=strategy, recompute_ratio=0.15, max_new_tokens=N, guard_margin=guard)
     early = engine.generate(q, DOCS, guard_tokens=t, **kw)  # tokens 0..t-1 checked: none below the margin
     assert early.token_ids == fused.token_ids and early.strategy == strategy and "guard" not in early.extra
