@@ -421,7 +421,7 @@ class FusionEngine:
         there is no front or no such point. `ratio` as a result reports it (1 for full, 0 for reuse)."""
         if self.front is None:
             return None
-        key = (strategy, round(float(ratio), 4))
+        key = (strategy, round(float(ratio), 4), 0.0, 0)  # a served request's own path: the unguarded point
         point = next((p for p in self.front.points if p.key == key), None)
         return None if point is None else point.rel(self.device.type)
 

@@ -10,6 +10,12 @@ on it (fidelity 1, relative TTFT 1). A request asks for one of:
   fastest point, with `budget_met` False in `result.extra["auto"]`;
 - neither: the front's default point (the best measured at the shipped default cost).
 
+A point may carry a first-token guard (GenerationOptions.guard_margin with guard_tokens=1: a near-tie at the
+answer's first token hands the answer to full prefill). Its fidelity is measured like any point's; its relative
+TTFT is derived: the unguarded point's plus the share of answers handed over (each such answer pays a full prefill
+after the fused one), that share read from the run's recompute fraction. A guard that checks later tokens too is
+left off fronts: its mid-answer hand-overs cost a stall in the stream, not TTFT.
+
 Predicted TTFT = relative TTFT x this engine's full-prefill seconds per prompt token x prompt tokens. The rate is
 learned from the engine's own requests (every request of a strategy on the front updates it, through that point's
 relative TTFT; a moving average), so it follows the user's hardware and load; before any request it is measured
@@ -29,9 +35,10 @@ from types import MappingProxyType
 from typing import Any, Mapping, Sequence
 
 __all__ = ["AUTO", "FrontPoint", "Front", "Choice", "TtftRate", "packaged_front", "build_front", "quality_from_eval",
-           "rel_ttft_from"]
+           "guarded_from_eval", "rel_ttft_from"]
 
 AUTO = "auto"
+GUARD_TAG = "+guard"  # as kvfuse eval labels a guarded run: "<strategy>+guard<M>[/<N>]"
 FORMAT = "kvfuse-front/1"
 
 
@@ -44,10 +51,20 @@ class FrontPoint:
     fidelity: float
     kl: float | None = None
     rel_ttft: Mapping[str, float] = field(default_factory=dict)
+    guard: float = 0.0  # the guard margin (nats) the point was measured with; 0: none
+    guard_tokens: int | None = None  # ... checking the answer's first this many tokens (1 on fronts built here)
 
     def __post_init__(self) -> None:
         if not isinstance(self.strategy, str) or not self.strategy or self.strategy == AUTO:
             raise ValueError(f"front point strategy must be a strategy name, got {self.strategy!r}")
+        g, gt = self.guard, self.guard_tokens
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or not (math.isfinite(g) and g >= 0):
+            raise ValueError(f"front point guard must be a margin >= 0 (nats), got {g!r}")
+        if gt is not None and (isinstance(gt, bool) or not isinstance(gt, int) or gt < 1 or not g):
+            raise ValueError(f"front point guard_tokens must be an int >= 1 beside a guard > 0, got {gt!r}")
+        if g and self.strategy == "full":
+            raise ValueError("full prefill is never guarded")
+        object.__setattr__(self, "guard", float(g))
         for name, v, lo, hi in (("ratio", self.ratio, 0.0, 1.0), ("fidelity", self.fidelity, 0.0, 1.0)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= float(v) <= hi:
                 raise ValueError(f"front point {name} must be in [{lo}, {hi}], got {v!r}")
@@ -61,8 +78,9 @@ class FrontPoint:
         object.__setattr__(self, "rel_ttft", MappingProxyType({k: float(v) for k, v in rel.items()}))
 
     @property
-    def key(self) -> tuple[str, float]:
-        return self.strategy, round(self.ratio, 4)
+    def key(self) -> tuple[str, float, float, int]:
+        """(strategy, ratio, guard, guard tokens or 0): unique on a front."""
+        return self.strategy, round(self.ratio, 4), round(self.guard, 4), self.guard_tokens or 0
 
     def rel(self, device_type: str) -> float | None:
         return 1.0 if self.strategy == "full" else self.rel_ttft.get(device_type)
@@ -78,10 +96,15 @@ class Choice:
     predicted_ttft_s: float | None
     reason: str
     budget_met: bool | None = None
+    guard: float = 0.0  # the point's guard margin (nats; 0: none), applied to the request
+    guard_tokens: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        return {"strategy": self.strategy, "ratio": self.ratio, "fidelity": self.fidelity,
-                "predicted_ttft_s": self.predicted_ttft_s, "reason": self.reason, "budget_met": self.budget_met}
+        d = {"strategy": self.strategy, "ratio": self.ratio, "fidelity": self.fidelity,
+             "predicted_ttft_s": self.predicted_ttft_s, "reason": self.reason, "budget_met": self.budget_met}
+        if self.guard:
+            d.update(guard_margin=self.guard, guard_tokens=self.guard_tokens)
+        return d
 
 
 @dataclass(frozen=True)
@@ -103,8 +126,8 @@ class Front:
         full = FrontPoint("full", 1.0, 1.0, 0.0, {})
         object.__setattr__(self, "points", (full, *sorted(pts, key=lambda p: p.key)))
         d = _strategy_key(str(self.default[0]), self.default[1])  # full's ratio is 1 whatever was written
-        if d[0] != "full" and d not in keys:
-            raise ValueError(f"the front's default {d} is not one of its points")
+        if d[0] != "full" and (*d, 0.0, 0) not in keys:
+            raise ValueError(f"the front's default {d} is not one of its (unguarded) points")
         object.__setattr__(self, "default", d)
 
     # -- choosing ---------------------------------------------------------------------------------------------
@@ -128,27 +151,24 @@ class Front:
             best = min(ok, key=lambda p: (p.rel(device_type), -p.fidelity))
             why = (f"fastest measured point with fidelity >= {target_fidelity:.3f}" if best.strategy != "full" else
                    f"no fused point measured at fidelity >= {target_fidelity:.3f}: full prefill")
-            return Choice(best.strategy, best.ratio, best.fidelity, predict(best), why)
+            return _choice(best, predict(best), why)
         if ttft_budget_s is not None:
             if full_ttft_s is None:
                 raise ValueError("a TTFT budget needs a full-prefill TTFT estimate")
             fits = [p for p in pts if predict(p) <= ttft_budget_s]
             if fits:
                 best = max(fits, key=lambda p: (p.fidelity, -p.rel(device_type)))
-                return Choice(best.strategy, best.ratio, best.fidelity, predict(best),
-                              f"most faithful point predicted within {ttft_budget_s:.3g} s", True)
+                return _choice(best, predict(best), f"most faithful point predicted within {ttft_budget_s:.3g} s", True)
             best = min(pts, key=lambda p: (p.rel(device_type), -p.fidelity))
-            return Choice(best.strategy, best.ratio, best.fidelity, predict(best),
-                          f"no point predicted within {ttft_budget_s:.3g} s: the fastest", False)
-        best = next(p for p in self.points if p.key == self.default)
-        return Choice(best.strategy, best.ratio, best.fidelity, predict(best), "the front's default point")
+            return _choice(best, predict(best), f"no point predicted within {ttft_budget_s:.3g} s: the fastest", False)
+        best = next(p for p in self.points if p.key == (*self.default, 0.0, 0))
+        return _choice(best, predict(best), "the front's default point")
 
     # -- files ------------------------------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
         return {"format": FORMAT, "model": self.model, "adapter": self.adapter, "source": self.source,
                 "default": {"strategy": self.default[0], "ratio": self.default[1]},
-                "points": [{"strategy": p.strategy, "ratio": p.ratio, "fidelity": p.fidelity, "kl": p.kl,
-                            "rel_ttft": dict(p.rel_ttft)} for p in self.points if p.strategy != "full"]}
+                "points": [_point_json(p) for p in self.points if p.strategy != "full"]}
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -161,8 +181,8 @@ class Front:
         try:
             if not isinstance(data, dict) or data.get("format") != FORMAT:
                 raise ValueError(f"not a {FORMAT} document")
-            pts = tuple(FrontPoint(p["strategy"], p["ratio"], p["fidelity"], p.get("kl"), p.get("rel_ttft", {}))
-                        for p in data["points"])
+            pts = tuple(FrontPoint(p["strategy"], p["ratio"], p["fidelity"], p.get("kl"), p.get("rel_ttft", {}),
+                                   p.get("guard", 0.0), p.get("guard_tokens")) for p in data["points"])
             d = data["default"]
             return cls(str(data["model"]), str(data.get("adapter", "")), pts, (d["strategy"], d["ratio"]),
                        str(data.get("source", "")))
@@ -177,6 +197,17 @@ class Front:
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ValueError(f"front {path}: cannot be read as JSON ({e})") from None
         return cls.from_json(data, f"front {path}")
+
+
+def _choice(p: FrontPoint, predicted: float | None, reason: str, budget_met: bool | None = None) -> Choice:
+    return Choice(p.strategy, p.ratio, p.fidelity, predicted, reason, budget_met, p.guard, p.guard_tokens)
+
+
+def _point_json(p: FrontPoint) -> dict[str, Any]:
+    d = {"strategy": p.strategy, "ratio": p.ratio, "fidelity": p.fidelity, "kl": p.kl, "rel_ttft": dict(p.rel_ttft)}
+    if p.guard:
+        d.update(guard=p.guard, guard_tokens=p.guard_tokens)
+    return d
 
 
 def packaged_front(model_name: str, adapter: str) -> Front | None:
@@ -207,13 +238,24 @@ def _eval_rows(path: Path) -> list[dict[str, str]]:
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) < 11 or cells[0] in ("dataset", "") or set(cells[0]) <= set("-:"):
             continue
-        num = lambda c: float(c.split()[0])  # noqa: E731  "58.6 [52.3, 64.9]" -> 58.6
+        num = lambda c: float(c.split()[0].rstrip("%"))  # noqa: E731  "58.6 [52.3, 64.9]" -> 58.6
         rows.append({"dataset": cells[0], "strategy": cells[1], "ratio": cells[2], "fidelity": num(cells[7]) / 100,
-                     "kl": num(cells[8]), "ttft_s": num(cells[9])})
+                     "kl": num(cells[8]), "ttft_s": num(cells[9]), "recompute_fraction": num(cells[10]) / 100})
     return rows
 
 
-def _per_dataset(path: Path) -> dict[str, dict[tuple[str, float], dict]]:
+def _guard_of(label: str) -> tuple[float, int | None] | None:
+    """(margin, guard tokens) of an eval label's "+guard<M>[/<N>]" tag ("infoflow+adapter+guard1/1"), else None."""
+    _, sep, tag = label.partition(GUARD_TAG)
+    if not sep:
+        return None
+    margin, _, tokens = tag.partition("/")
+    return float(margin), int(tokens) if tokens else None
+
+
+def _per_dataset(path: Path, guarded: bool = False) -> dict[str, dict[tuple, dict]]:
+    """{dataset: {(strategy, ratio): row}} of a summary's unguarded runs; with `guarded`, of its runs guarded at the
+    first token only, keyed (strategy, ratio, margin)."""
     rows = _eval_rows(path)
     if not rows:
         raise ValueError(f"{path}: no rows")
@@ -221,9 +263,11 @@ def _per_dataset(path: Path) -> dict[str, dict[tuple[str, float], dict]]:
     for r in rows:
         if "macro" in r["dataset"]:  # a summary's own macro rows: recomputed below from the datasets
             continue
-        if "+guard" in r["strategy"]:  # guarded runs are another point (their cost depends on escalations)
-            continue
-        by.setdefault(r["dataset"], {})[_strategy_key(r["strategy"], r["ratio"])] = r
+        g = _guard_of(r["strategy"])
+        if guarded and g is not None and g[1] == 1:
+            by.setdefault(r["dataset"], {})[(*_strategy_key(r["strategy"], r["ratio"]), g[0])] = r
+        elif not guarded and g is None:  # guarded runs are other points (their cost depends on hand-overs)
+            by.setdefault(r["dataset"], {})[_strategy_key(r["strategy"], r["ratio"])] = r
     return by
 
 
@@ -239,6 +283,26 @@ def quality_from_eval(path: str | Path, datasets: list[str] | None = None) -> di
     keys = set.intersection(*(set(by[d]) for d in names)) - {("full", 1.0)}
     return {k: (sum(float(by[d][k]["fidelity"]) for d in names) / len(names),
                 sum(float(by[d][k]["kl"]) for d in names) / len(names)) for k in sorted(keys)}
+
+
+def guarded_from_eval(path: str | Path, datasets: list[str] | None = None) -> dict[tuple[str, float, float], tuple]:
+    """(strategy, ratio, margin) -> (fidelity, KL, hand-over share) of a summary's first-token-guarded runs
+    ("+guard<M>/1"), averaged over the datasets (each point on every one). The hand-over share is read from the
+    recompute fraction beside the unguarded run's: an answer handed over recomputes every document token."""
+    path = Path(path)
+    plain, by = _per_dataset(path), _per_dataset(path, guarded=True)
+    names = datasets or sorted(plain)
+    out = {}
+    for k in sorted(set.intersection(*(set(by.get(d, {})) for d in names))):
+        shares = []
+        for d in names:
+            base = plain[d].get(k[:2])
+            fb = float(base["recompute_fraction"]) if base is not None else k[1]
+            fg = float(by[d][k]["recompute_fraction"])
+            shares.append(min(1.0, max(0.0, (fg - fb) / (1.0 - fb))) if fb < 1 else 0.0)
+        out[k] = (sum(float(by[d][k]["fidelity"]) for d in names) / len(names),
+                  sum(float(by[d][k]["kl"]) for d in names) / len(names), sum(shares) / len(shares))
+    return out
 
 
 def rel_ttft_from(source: str) -> dict[tuple[str, float], float]:
@@ -284,6 +348,10 @@ def build_front(quality: str | Path, rel: Mapping[str, str | Sequence[str]], *, 
             rels[dev].update(rel_ttft_from(src))
     points = tuple(FrontPoint(s, r, fid, kl, {dev: m[(s, r)] for dev, m in rels.items() if (s, r) in m})
                    for (s, r), (fid, kl) in q.items())
+    # first-token guards: the unguarded point's relative TTFT plus a full prefill for each answer handed over
+    points += tuple(FrontPoint(s, r, fid, kl, {dev: m[(s, r)] + share for dev, m in rels.items() if (s, r) in m},
+                               guard=g, guard_tokens=1)
+                    for (s, r, g), (fid, kl, share) in guarded_from_eval(quality, datasets).items())
     source = f"fidelity, KL: {quality}; relative TTFT: " + ", ".join(
         f"{d} {' then '.join(srcs)}" for d, srcs in sources.items())
     return Front(model, adapter, points, _strategy_key(*default), source)

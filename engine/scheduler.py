@@ -104,6 +104,8 @@ class Request:
         choice = eng.choose_auto(n, *self.auto)
         self.strat = make_strategy(choice.strategy)
         self.ratio = choice.ratio
+        if choice.guard:  # a guarded point: its guard, as measured, whatever the request or engine default set
+            self.guard, self.guard_tokens = choice.guard, choice.guard_tokens
         self.extra["auto"] = choice.as_dict()
         return doc_ids
 

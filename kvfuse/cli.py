@@ -605,7 +605,8 @@ def cmd_front(args) -> int:
     front.save(args.out)
     for p in front.points:
         rels = ", ".join(f"{d} {r:.3f}" for d, r in sorted(p.rel_ttft.items()))
-        print(f"{p.strategy:>12} @ {p.ratio:<5g} fidelity {p.fidelity:.3f}  relative TTFT {rels or '1'}")
+        guard = f" + guard {p.guard:g} nats (first token)" if p.guard else ""
+        print(f"{p.strategy:>12} @ {p.ratio:<5g}{guard} fidelity {p.fidelity:.3f}  relative TTFT {rels or '1'}")
     print(f"wrote {args.out} (model {front.model}, adapter {front.adapter or 'none'}, default {front.default})")
     return 0
 

@@ -25,6 +25,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+# runs with GenerationOptions.guard_margin are labelled "<strategy>+guard0.5" ("+guard0.5/1": guard_tokens 1); one
+# tag for both, since fronts read the labels back
+from kvfuse.engine.auto import GUARD_TAG
+
 from .data import Example
 from .metrics import fidelity, mean_kl, metric_name, task_score
 
@@ -38,7 +42,6 @@ RECORDS_FILE = "records.jsonl"
 WARMUP_DOC = ("kvfuse-eval-warmup", "This short document only warms the engine up before timing.")
 
 
-GUARD_TAG = "+guard"  # runs with GenerationOptions.guard_margin: "<strategy>+guard0.5" ("+guard0.5/1": guard_tokens 1)
 
 
 @dataclass(frozen=True)

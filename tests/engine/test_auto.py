@@ -91,7 +91,7 @@ def test_a_front_is_built_from_an_eval_summary_and_a_ttft_csv(tmp_path):
     f = build_front(tmp_path / "summary.csv", {"cuda": [f"{tmp_path / 'ttft.csv'}:s:8192",
                                                         f"{tmp_path / 'ttft2.csv'}:s:8192"]},
                     model="m", adapter="", default=("infoflow", 0.15))
-    rel = {p.key: p.rel_ttft.get("cuda") for p in f.points if p.strategy != "full"}
+    rel = {p.key[:2]: p.rel_ttft.get("cuda") for p in f.points if p.strategy != "full"}
     assert rel == {("infoflow", 0.15): pytest.approx(0.6), ("infoflow", 0.3): pytest.approx(0.8)}
     # a target the 15% point misses is met by the 30% one, not by jumping to full prefill
     c = f.choose("cuda", target_fidelity=0.85)
@@ -135,6 +135,40 @@ def test_the_rate_is_a_moving_average_of_full_equivalent_seconds_per_token():
     assert r.predict_full(200) == pytest.approx(3.0)
 
 
+def test_a_first_token_guard_is_a_point_whose_ttft_adds_its_hand_overs(tmp_path):
+    """A run guarded at the first token ("+guard1/1") becomes a point of its own: its fidelity as measured, its
+    relative TTFT the unguarded point's plus the share handed over (read from the recompute fraction); a guard
+    checking every token is left off; the point round-trips and a target it meets picks it over full prefill."""
+    head = ("dataset,strategy,ratio,n,metric,score,score_lo,score_hi,rel_full_pct,fidelity,fidelity_lo,fidelity_hi,"
+            "kl,ttft_s,recompute_fraction\n")
+    rows = ["a,full,1.0,5,f1,.4,0,1,100,1.0,1,1,0.0,2.0,1.0", "a,infoflow,0.15,5,f1,.4,0,1,100,0.6,0,1,0.2,1.0,0.15",
+            "a,infoflow+guard1/1,0.15,5,f1,.4,0,1,100,0.9,0,1,0.05,1.5,0.405",  # 30% handed over: .15 + .3 * .85
+            "a,infoflow+guard1,0.15,5,f1,.4,0,1,100,0.99,0,1,0.01,1.9,0.9",  # every token: not a front point
+            "b,full,1.0,5,f1,.4,0,1,100,1.0,1,1,0.0,4.0,1.0", "b,infoflow,0.15,5,f1,.4,0,1,100,0.8,0,1,0.1,1.0,0.15",
+            "b,infoflow+guard1/1,0.15,5,f1,.4,0,1,100,0.96,0,1,0.03,1.5,0.235",  # 10% handed over
+            "b,infoflow+guard1,0.15,5,f1,.4,0,1,100,0.99,0,1,0.01,1.9,0.9"]
+    (tmp_path / "s.csv").write_text(head + "\n".join(rows) + "\n")
+    (tmp_path / "ttft.csv").write_text("shape,context,row,tier,ttft_ms\ns,8192,kvfuse full first-sight,pool,20\n"
+                                       "s,8192,kvfuse infoflow@15% first-sight,pool,10\n")
+    f = build_front(tmp_path / "s.csv", {"cuda": f"{tmp_path / 'ttft.csv'}:s:8192"}, model="m", adapter="",
+                    default=("infoflow", 0.15))
+    plain, guarded = [p for p in f.points if p.strategy == "infoflow"]
+    assert (plain.guard, guarded.guard, guarded.guard_tokens) == (0.0, 1.0, 1)
+    assert guarded.fidelity == pytest.approx(0.93) and guarded.kl == pytest.approx(0.04)
+    assert guarded.rel_ttft["cuda"] == pytest.approx(0.5 + (0.3 + 0.1) / 2)
+    c = f.choose("cuda", target_fidelity=0.9)
+    assert (c.strategy, c.guard, c.guard_tokens) == ("infoflow", 1.0, 1)
+    assert c.as_dict()["guard_margin"] == 1.0 and "guard_margin" not in f.choose("cuda").as_dict()
+    assert f.choose("cuda").guard == 0.0  # the default point is the unguarded one
+    assert Front.from_json(json.loads(json.dumps(f.to_json()))) == f
+    with pytest.raises(ValueError, match="never guarded"):
+        FrontPoint("full", 1.0, 1.0, guard=1.0)
+    with pytest.raises(ValueError, match="guard_tokens"):
+        FrontPoint("infoflow", 0.15, 0.9, guard_tokens=1)
+    with pytest.raises(ValueError, match="guard"):
+        FrontPoint("infoflow", 0.15, 0.9, guard=float("nan"))
+
+
 @pytest.fixture(scope="module")
 def engine():
     import fixtures
@@ -167,6 +201,20 @@ def test_auto_serves_the_chosen_point_exactly_as_naming_it(engine):
     r = engine.generate(QUESTION, DOCS, strategy="auto", target_fidelity=0.99, max_new_tokens=6)
     full = engine.generate(QUESTION, DOCS, strategy="full", max_new_tokens=6)
     assert r.strategy == "full" and r.token_ids == full.token_ids
+
+
+def test_auto_serves_a_guarded_point_with_its_guard(engine):
+    """A point measured with a first-token guard is served with that guard: here one above every margin, so the
+    fused answer is handed to full prefill at its first token and the answer is full prefill's."""
+    engine.front = Front("m", "", POINTS + (FrontPoint("reuse", 0.0, 0.95, 0.01, {"cpu": 0.2}, 1e9, 1),),
+                         ("infoflow", 0.15))
+    r = engine.generate(QUESTION, DOCS, strategy="auto", target_fidelity=0.9, max_new_tokens=6)
+    full = engine.generate(QUESTION, DOCS, strategy="full", max_new_tokens=6)
+    assert r.extra["auto"]["strategy"] == "reuse" and r.extra["auto"]["guard_margin"] == 1e9
+    assert r.extra["guard"]["requested"] == "reuse" and r.extra["guard"]["escalated_at"] == 0
+    assert r.strategy == "full" and r.token_ids == full.token_ids
+    plain = engine.generate(QUESTION, DOCS, strategy="auto", target_fidelity=0.3, max_new_tokens=6)
+    assert plain.strategy == "reuse" and "guard" not in plain.extra  # an unguarded point: no guard
 
 
 def test_auto_with_a_budget_predicts_from_the_engines_own_rate(engine):
