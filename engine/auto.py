@@ -335,10 +335,12 @@ def rel_ttft_from(source: str) -> dict[tuple[str, float], float]:
 
 
 def build_front(quality: str | Path, rel: Mapping[str, str | Sequence[str]], *, model: str, adapter: str,
-                default: tuple[str, float], datasets: list[str] | None = None) -> Front:
+                default: tuple[str, float], datasets: list[str] | None = None,
+                guarded: str | Path | None = None) -> Front:
     """A front: fidelity and KL from one eval summary, relative TTFT per device type from `rel`
     ({device type: source or sources}, see `rel_ttft_from`; with several, a point takes its figure from the first
-    source that measured it). A point without a relative TTFT for a device is not used there."""
+    source that measured it). A point without a relative TTFT for a device is not used there. First-token-guarded
+    points come from the `guarded` summary (default: `quality`), see `guarded_from_eval`."""
     q = quality_from_eval(quality, datasets)
     sources = {dev: [src] if isinstance(src, str) else list(src) for dev, src in rel.items()}
     rels = {}
@@ -351,8 +353,9 @@ def build_front(quality: str | Path, rel: Mapping[str, str | Sequence[str]], *, 
     # first-token guards: the unguarded point's relative TTFT plus a full prefill for each answer handed over
     points += tuple(FrontPoint(s, r, fid, kl, {dev: m[(s, r)] + share for dev, m in rels.items() if (s, r) in m},
                                guard=g, guard_tokens=1)
-                    for (s, r, g), (fid, kl, share) in guarded_from_eval(quality, datasets).items())
-    source = f"fidelity, KL: {quality}; relative TTFT: " + ", ".join(
+                    for (s, r, g), (fid, kl, share) in guarded_from_eval(guarded or quality, datasets).items())
+    source = f"fidelity, KL: {quality}" + (f" (first-token guards: {guarded})" if guarded else "") + \
+        "; relative TTFT: " + ", ".join(
         f"{d} {' then '.join(srcs)}" for d, srcs in sources.items())
     return Front(model, adapter, points, _strategy_key(*default), source)
 

@@ -601,7 +601,8 @@ def cmd_front(args) -> int:
         path = resolve_adapter(adapter, args.model)
         adapter = load_adapter(path).digest[:16] if path is not None else ""
     front = build_front(args.quality, rel, model=args.model, adapter="" if adapter == "none" else adapter,
-                        default=default, datasets=args.datasets.split(",") if args.datasets else None)
+                        default=default, datasets=args.datasets.split(",") if args.datasets else None,
+                        guarded=args.guarded)
     front.save(args.out)
     for p in front.points:
         rels = ", ".join(f"{d} {r:.3f}" for d, r in sorted(p.rel_ttft.items()))
@@ -768,6 +769,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--adapter", default="none", help="the adapter it was measured with: none, packaged, a "
                                                      ".safetensors file or a 16-hex digest prefix")
     p.add_argument("--datasets", default="", help="comma list of datasets to average over (default: all)")
+    p.add_argument("--guarded", default=None, help="a kvfuse eval summary whose first-token-guarded runs "
+                   "('+guard<M>/1', from eval --guard M --guard-tokens 1) become points of their own (default: "
+                   "those of --quality)")
     p.add_argument("--default", default="infoflow@0.15", help="the point auto takes with no target (STRATEGY@RATIO)")
     p.add_argument("--out", required=True, help="the front's JSON file")
     p.set_defaults(func=cmd_front)
