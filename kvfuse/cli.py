@@ -532,6 +532,7 @@ def cmd_train_adapter(args) -> int:
     if bool(args.holdout) != bool(args.eval_every):
         raise CliError("--holdout and --eval-every go together (held-out examples, and how often to measure them)")
     check_real(args.max_seconds, "--max-seconds", low=0.0, high=1e7)
+    check_real(args.first_token_weight, "--first-token-weight", low=1e-3, high=1e3)
     check_real(args.checkpoint_every, "--checkpoint-every", low=0.0, high=1e7)
     ratios = tuple(_ratios(args.ratios, "--ratios"))
     from kvfuse.engine.fusion import available, make_strategy
@@ -557,7 +558,7 @@ def cmd_train_adapter(args) -> int:
                       max_doc_tokens=args.max_doc_tokens, stage=args.stage, batch=args.batch,
                       max_seconds=args.max_seconds, ratios=ratios, strategy=args.strategy,
                       checkpoint_seconds=args.checkpoint_every, eval_every=args.eval_every,
-                      eval_prompts=args.eval_prompts)
+                      eval_prompts=args.eval_prompts, first_token_weight=args.first_token_weight)
     _check_model_args(args)
     engine = load_engine(args.model, device=args.device, dtype=args.dtype, prompt=args.prompt, adapter=None)
     print(f"kvfuse: training a fusion adapter for {engine.model_name} on {len(train)} examples "
@@ -750,6 +751,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="steps between held-out measurements (with --holdout)")
     p.add_argument("--eval-prompts", type=int, default=16, dest="eval_prompts",
                    help="fixed held-out prompts measured each time (default 16)")
+    p.add_argument("--first-token-weight", type=float, default=1.0, dest="first_token_weight", metavar="W",
+                   help="weigh the answer's first position W times the others in the loss (most fused answers that "
+                        "differ from full prefill's differ there first; default 1: the plain mean)")
     p.add_argument("--resume", action="store_true",
                    help="continue the run whose checkpoint is beside --out (same settings; a longer --max-seconds "
                         "or --steps lets it go on)")

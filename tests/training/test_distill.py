@@ -294,6 +294,7 @@ def test_held_out_examples_pick_the_adapter_written(tiny_engine, tmp_path):
     (["--ratios", "1.5"], "--ratios must be numbers in"),
     (["--strategy", "sift"], "--strategy must be a strategy that reads caches"),
     (["--batch", "0"], "--batch"),
+    (["--first-token-weight", "0"], "--first-token-weight"),
 ])
 def test_train_adapter_refuses_bad_options_before_any_work(tmp_path, capsys, extra, message):
     from kvfuse import cli
@@ -302,3 +303,21 @@ def test_train_adapter_refuses_bad_options_before_any_work(tmp_path, capsys, ext
     assert cli.main(["train-adapter", "--data", str(tmp_path), "--out", str(out), *extra]) == 2
     assert message in capsys.readouterr().err
     assert not list(tmp_path.iterdir())  # nothing written, no model loaded
+
+
+def test_the_loss_can_weigh_the_answers_first_token():
+    """distill_loss: weight 1 is the plain per-position mean of KL(teacher || student); W weighs the first position W
+    times the others; a bad weight is refused by the config."""
+    from kvfuse.training.distill import distill_loss
+
+    g = torch.Generator().manual_seed(0)
+    teacher = torch.log_softmax(torch.randn(4, 11, generator=g), -1)
+    student = torch.log_softmax(torch.randn(4, 11, generator=g), -1)
+    per = (teacher.exp() * (teacher - student)).sum(-1)
+    assert torch.allclose(distill_loss(teacher, student), per.mean())
+    assert torch.allclose(distill_loss(teacher, student, 5.0), (5 * per[0] + per[1:].sum()) / 8)
+    assert not torch.allclose(distill_loss(teacher, student, 5.0), per.mean())
+    assert torch.allclose(distill_loss(teacher[:1], student[:1], 5.0), per[0])
+    for bad in (0, -1.0, float("inf"), True):
+        with pytest.raises(ValueError, match="first_token_weight"):
+            TrainConfig(first_token_weight=bad)
