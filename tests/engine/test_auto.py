@@ -232,13 +232,13 @@ def test_auto_with_a_budget_predicts_from_the_engines_own_rate(engine):
 CUDA_REL = "cuda=docs/gpu/ttft_ratios_05b.csv:qwen05b:8192"
 
 
-@pytest.mark.parametrize("adapter, quality, rel, name", [
-    ("packaged", "docs/quality/adapter_gpu/ratios_summary.csv",
+@pytest.mark.parametrize("adapter, quality, guarded, rel, name", [
+    ("packaged", "docs/quality/adapter_gpu/ratios_summary.csv", "docs/quality/guard/summary60.csv",
      ["cpu=docs/quality/q60/summary.csv", "cpu=docs/quality/sweep20/summary.csv", CUDA_REL], "qwen2.5-coder-0.5b.json"),
-    ("none", "docs/quality/q60/summary.csv", ["cpu=docs/quality/q60/summary.csv", CUDA_REL],
+    ("none", "docs/quality/q60/summary.csv", None, ["cpu=docs/quality/q60/summary.csv", CUDA_REL],
      "qwen2.5-coder-0.5b.none.json")])
-def test_the_shipped_fronts_are_rebuilt_by_kvfuse_front_from_committed_measurements(tmp_path, adapter, quality, rel,
-                                                                                     name):
+def test_the_shipped_fronts_are_rebuilt_by_kvfuse_front_from_committed_measurements(tmp_path, adapter, quality, guarded,
+                                                                                     rel, name):
     from pathlib import Path
 
     from kvfuse.cli import main
@@ -246,12 +246,14 @@ def test_the_shipped_fronts_are_rebuilt_by_kvfuse_front_from_committed_measureme
     root = Path(__file__).resolve().parents[2]
     out = tmp_path / name
     rels = [a for r in rel for a in ("--rel", r.replace("=", f"={root}/", 1))]
-    rc = main(["front", "--quality", str(root / quality), *rels,
+    more = ["--guarded", str(root / guarded)] if guarded else []
+    rc = main(["front", "--quality", str(root / quality), *rels, *more,
                "--model", "qwen2.5-coder-0.5b", "--adapter", adapter, "--out", str(out)])
     assert rc == 0
     built, shipped = Front.load(out), Front.load(root / "kvfuse/data/fronts" / name)
     assert (built.model, built.adapter, built.points, built.default) == (
         shipped.model, shipped.adapter, shipped.points, shipped.default)
+    assert any(p.guard for p in shipped.points) == bool(guarded)  # the shipped adapter's front has guarded points
 
 
 def test_every_served_point_on_the_front_feeds_the_rate(engine):

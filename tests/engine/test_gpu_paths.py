@@ -148,7 +148,7 @@ def test_guard_hands_over_on_cuda_at_the_first_token_and_mid_answer(graphs):
     """The guard on CUDA (pooled arena, batched decode steps replayed as graphs): above every margin the answer is
     full prefill's; at a mid-answer near-tie the fused tokens before it stay and every token from there is full
     prefill's greedy one given the answer so far, alone and beside another request, with every arena row back."""
-    eng = _fp32_engine("qwen2", kv_tier="pool", cuda_graphs=graphs)
+    eng = _fp32_engine("qwen2", kv_tier="pool", cuda_graphs=graphs, memory_budget_bytes=1 << 28)
     eng.precompute(DOCS)
     full = eng.generate(QUESTION, DOCS, strategy="full", max_new_tokens=8)
     first = eng.generate(QUESTION, DOCS, strategy="reuse", max_new_tokens=8, guard_margin=1e9)
