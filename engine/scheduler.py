@@ -48,11 +48,12 @@ class _Escalate(Exception):
         self.margin = margin
 
 
-def _top2(logits: torch.Tensor) -> tuple[int, float]:
-    """(argmax, gap between the two largest logits = the log-prob gap in nats) of [vocab] logits, one host read."""
-    top = logits.float().topk(2)
-    idx, gap = torch.stack((top.indices[0].double(), top.values[0].double() - top.values[1].double())).tolist()
-    return int(idx), gap
+def _top2(logits: torch.Tensor) -> tuple[list[int], list[float]]:
+    """Per row of [B, vocab] logits: the argmax, and the gap between the two largest logits (= the log-prob gap, in
+    nats, computed in fp32); both in one host read."""
+    top = logits.float().topk(2, dim=-1)
+    idx, gap = torch.stack((top.indices[:, 0].double(), (top.values[:, 0] - top.values[:, 1]).double())).tolist()
+    return [int(i) for i in idx], gap
 
 
 class Request:
@@ -175,7 +176,7 @@ class Request:
                 if first:
                     greedy = None
                     if self.guarding:  # the same read gives the greedy token
-                        greedy, margin = _top2(out.logits)
+                        (greedy,), (margin,) = _top2(out.logits[None])
                         if margin < self.guard:
                             raise _Escalate(margin)
                     self.first_token = (greedy if greedy is not None and self.sampler.temperature == 0
@@ -483,10 +484,7 @@ class Scheduler:
         try:
             logits = self.decoding.step([r.seq for r in batch], [r.next_token for r in batch])
             if any(r.guarding for r in batch):  # the guard reads each row's top-2 margin (the same one sync)
-                top = logits.topk(2, dim=-1)
-                greedy, margins = torch.stack((top.indices[:, 0].double(),
-                                               (top.values[:, 0] - top.values[:, 1]).double())).tolist()
-                greedy = [int(t) for t in greedy]
+                greedy, margins = _top2(logits)
             else:
                 greedy, margins = logits.argmax(dim=-1).tolist(), None  # one host sync for the whole batch
         except BaseException as exc:  # noqa: BLE001  (a failed step fails the requests in it, not the engine)
