@@ -324,7 +324,9 @@ class Scheduler:
 
     def __init__(self, engine, decoding, max_batch_size: int, max_queued_requests: int,
                  prefill_tokens_per_step: int = 2048, cpu_threads: int | None = None) -> None:
-        self.engine = engine
+        # weak: the scheduler's thread must not keep an engine its user dropped alive (with its GPU pool); the
+        # engine holds the scheduler, and requests in flight hold their engine
+        self._engine = weakref.ref(engine)
         self.cpu_threads = cpu_threads
         self.prefill_budget = prefill_tokens_per_step
         self.decoding = decoding
@@ -345,6 +347,13 @@ class Scheduler:
         self.steps = 0
         self.done = 0
 
+    @property
+    def engine(self):
+        eng = self._engine()
+        if eng is None:
+            raise RuntimeError("the engine is gone")
+        return eng
+
     # -- any thread -----------------------------------------------------------------------------------------------
     def submit(self, req: Request) -> None:
         """Queues a request (its `sink` set). Raises EngineOverloaded when the queue is full, RuntimeError once
@@ -358,6 +367,8 @@ class Scheduler:
             self.waiting.append(req)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="kvfuse-scheduler", daemon=True)
+                _THREADS.difference_update([t for t in _THREADS if not t.is_alive()])
+                _THREADS.add(self._thread)
                 self._thread.start()
             self._cond.notify_all()
 
@@ -406,15 +417,23 @@ class Scheduler:
 
     # -- the scheduler thread -------------------------------------------------------------------------------------
     def _loop(self) -> None:
+        """Serves until shut down or until its engine is garbage-collected: between iterations it holds the engine
+        only weakly, so dropping the last reference to an idle engine frees it (and this thread ends)."""
         from .api import _on_device
 
-        eng = self.engine
         if self.cpu_threads is not None:
             set_own_threads(self.cpu_threads)
         while True:
             with self._cond:
-                while ((not self.waiting and not self.running and not self._closing and not eng.deferred_work)
-                       or self._exclusive_waiters):
+                while True:
+                    eng = self._engine()
+                    if eng is None:  # the engine was collected: nothing can be queued any more
+                        self._thread = None
+                        return
+                    if ((self.waiting or self.running or self._closing or eng.deferred_work)
+                            and not self._exclusive_waiters):
+                        break
+                    del eng
                     self._cond.wait(0.1)
                 if self._closing and not self.waiting and not self.running:
                     self._thread = None
@@ -428,6 +447,7 @@ class Scheduler:
                         log.warning("building a deferred cache or index failed", exc_info=True)
                 else:
                     self._iteration()
+            del eng
             with self._cond:
                 self._cond.notify_all()
 
@@ -565,6 +585,9 @@ class _Detokenizer:
 
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()
+# every scheduler thread started: one whose engine was collected ends on its own (its scheduler gone from _LIVE),
+# and the exit must wait for it too (a thread still tearing down while the interpreter finalises aborts it)
+_THREADS: set[threading.Thread] = set()
 
 
 @atexit.register
@@ -576,6 +599,9 @@ def _halt_all() -> None:
             sched.shutdown(timeout=0)
         except Exception:  # noqa: BLE001  (exit must go on)
             pass
+    for thread in list(_THREADS):
+        if thread is not threading.current_thread():
+            thread.join(timeout=60.0)
 
 
 def _first_stop(text: str, stop: list[str]) -> int | None:

@@ -17,6 +17,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def _engine(family: str, **config) -> FusionEngine:
+    config.setdefault("memory_budget_bytes", 256 << 20)  # a tiny model's pool: the file's engines fit beside others
     model, tok, info = load_tiny(family, dtype=torch.float32)
     model = model.to(device="cuda", dtype=torch.bfloat16)
     return FusionEngine(model, tok, EngineConfig(**config), model_name=info.name,
@@ -116,6 +117,7 @@ def test_cpu_reference_and_triton_engine_agree():
 
 
 def _fp32_engine(family: str, **config) -> FusionEngine:
+    config.setdefault("memory_budget_bytes", 256 << 20)
     model, tok, info = load_tiny(family, dtype=torch.float32)
     return FusionEngine(model.cuda(), tok, EngineConfig(**config), model_name=info.name,
                         model_fingerprint=info.fingerprint, tokenizer_fingerprint=info.tokenizer_fingerprint)
