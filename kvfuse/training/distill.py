@@ -36,9 +36,11 @@ __all__ = ["TrainConfig", "forward_rows", "student_logprobs", "teacher_logprobs"
 
 
 def forward_rows(dec, ids: Tensor, pos: Tensor, cos: Tensor, sin: Tensor,
-                 ctx: tuple[list[Tensor], list[Tensor], Tensor] | None = None) -> tuple[Tensor, list, list]:
+                 ctx: tuple[list[Tensor], list[Tensor], Tensor] | None = None,
+                 groups: Tensor | None = None) -> tuple[Tensor, list, list]:
     """Runs rows `ids` at positions `pos` through every layer, attending causally (by position) to themselves and
-    to `ctx` = (per-layer K [C, kvh, d] pre-RoPE, per-layer V, positions [C]).
+    to `ctx` = (per-layer K [C, kvh, d] pre-RoPE, per-layer V, positions [C]). `groups` [T]: rows attend only to
+    rows of their own group (and to all of `ctx`): several independent sequences in one pass.
 
     Returns:
         (final hidden [T, hidden], per-layer K of these rows pre-RoPE, per-layer V).
@@ -48,6 +50,10 @@ def forward_rows(dec, ids: Tensor, pos: Tensor, cos: Tensor, sin: Tensor,
     ks, vs = [], []
     all_pos = pos if ctx is None else torch.cat([ctx[2], pos])
     mask = all_pos[None, :] <= pos[:, None]
+    if groups is not None:
+        own = groups[None, :] == groups[:, None]
+        mask = own if ctx is None else torch.cat([mask[:, :ctx[2].numel()], own], dim=1)
+        mask = mask & (all_pos[None, :] <= pos[:, None])
     cq, sq = cos[pos], sin[pos]
     ck, sk = cos[all_pos], sin[all_pos]
     for i in range(s.n_layers):
@@ -144,14 +150,18 @@ def document_kv(engine, layout, adapter: FusionAdapter | None) -> list[tuple[lis
     prefix = engine.doc_cache.prefix_kv()
     p = layout.prefix.end - layout.prefix.start
     ctx = (list(prefix.k), list(prefix.v), torch.arange(p, device=engine.device))
-    longest = max((len(x) for x in layout.doc_ids), default=0)
-    cos, sin = engine.runner.rope(p + longest)
-    out = []
-    for d_ids in layout.doc_ids:
-        d_ids = torch.as_tensor(d_ids, dtype=torch.long, device=engine.device)
-        _, ks, vs = forward_rows(dec, d_ids, torch.arange(p, p + d_ids.numel(), device=engine.device), cos, sin, ctx)
-        out.append((ks, vs))
-    return out
+    if not layout.doc_ids:
+        return []
+    lens = [len(x) for x in layout.doc_ids]
+    cos, sin = engine.runner.rope(p + max(lens))
+    # every document in one pass (each attends to the prefix and to itself): one launch sequence, not one per doc
+    ids = torch.as_tensor([t for x in layout.doc_ids for t in x], dtype=torch.long, device=engine.device)
+    pos = torch.cat([torch.arange(p, p + n) for n in lens]).to(engine.device)
+    groups = torch.repeat_interleave(torch.arange(len(lens)), torch.as_tensor(lens)).to(engine.device)
+    _, ks, vs = forward_rows(dec, ids, pos, cos, sin, ctx, groups=groups)
+    per_k = list(zip(*[k.split(lens) for k in ks]))
+    per_v = list(zip(*[v.split(lens) for v in vs]))
+    return [(list(k), list(v)) for k, v in zip(per_k, per_v)]
 
 
 def strategy_selection(engine, layout, doc_kv, strategy: str, ratio: float, runner=None,
