@@ -359,8 +359,8 @@ class FusionEngine:
 
     def _options(self, options: GenerationOptions | None, kwargs: dict[str, Any], *, chat: bool = False) -> tuple:
         """A request's options (`options` overridden by the keywords), checked against this engine; returns
-        (strategy, ratio, max_new, sampler, stop, teacher, return_logprobs, auto, guard, guard_tokens) (see
-        Request)."""
+        (strategy, ratio, max_new, sampler, stop, teacher, return_logprobs, auto, guard, guard_tokens, guard_at)
+        (see Request)."""
         if options is None:
             options = GenerationOptions.from_kwargs(**kwargs)
         elif isinstance(options, GenerationOptions):
@@ -382,9 +382,16 @@ class FusionEngine:
         teacher = None if options.teacher_ids is None else torch.as_tensor(check_token_ids(
             options.teacher_ids, "teacher_ids", self.decoder.spec.vocab, max_len=room), dtype=torch.long)
         guard = self.config.guard_margin if options.guard_margin is None else options.guard_margin
+        guard_at = options.guard_at or self.config.guard_at
+        guard_tokens = self.config.guard_tokens if options.guard_tokens is None else options.guard_tokens
+        if guard_at == "probe":
+            guard_tokens = None  # the probe guard reads no answer token
+            if guard and strat is not None and strat.name != "full" and not strat.probe_layers(
+                    self.decoder.spec.n_layers):
+                raise ValueError(f"guard_at='probe' reads the question probe of a query-aware strategy (infoflow, "
+                                 f"prophetkv, qcfuse, coinrag); {strat.name!r} runs none (use guard_at='answer')")
         return (strat, options.recompute_ratio, max_new_tokens, sampler, list(options.stop), teacher,
-                options.return_logprobs, auto, guard or None,
-                self.config.guard_tokens if options.guard_tokens is None else options.guard_tokens)
+                options.return_logprobs, auto, guard or None, guard_tokens, guard_at)
 
     # -- strategy="auto" (engine/auto.py) ---------------------------------------------------------------------
     def _check_front(self) -> Front:

@@ -39,6 +39,7 @@ __all__ = ["AUTO", "FrontPoint", "Front", "Choice", "TtftRate", "packaged_front"
 
 AUTO = "auto"
 GUARD_TAG = "+guard"  # as kvfuse eval labels a guarded run: "<strategy>+guard<M>[/<N>]"
+PROBE_GUARD_TAG = "+probeguard"  # ... and one guarded at the question probe (guard_at="probe"): "+probeguard<M>"
 FORMAT = "kvfuse-front/1"
 
 
@@ -53,6 +54,7 @@ class FrontPoint:
     rel_ttft: Mapping[str, float] = field(default_factory=dict)
     guard: float = 0.0  # the guard margin (nats) the point was measured with; 0: none
     guard_tokens: int | None = None  # ... checking the answer's first this many tokens (1 on fronts built here)
+    guard_at: str = "answer"  # where the guard read its gap (GenerationOptions.guard_at; "probe": no guard_tokens)
 
     def __post_init__(self) -> None:
         if not isinstance(self.strategy, str) or not self.strategy or self.strategy == AUTO:
@@ -64,6 +66,9 @@ class FrontPoint:
             raise ValueError(f"front point guard_tokens must be an int >= 1 beside a guard > 0, got {gt!r}")
         if g and self.strategy == "full":
             raise ValueError("full prefill is never guarded")
+        if self.guard_at not in ("answer", "probe") or (self.guard_at == "probe" and (not g or gt is not None)):
+            raise ValueError(f"front point guard_at must be 'answer', or 'probe' beside a guard > 0 and no "
+                             f"guard_tokens, got {self.guard_at!r}")
         object.__setattr__(self, "guard", float(g))
         for name, v, lo, hi in (("ratio", self.ratio, 0.0, 1.0), ("fidelity", self.fidelity, 0.0, 1.0)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= float(v) <= hi:
@@ -78,9 +83,10 @@ class FrontPoint:
         object.__setattr__(self, "rel_ttft", MappingProxyType({k: float(v) for k, v in rel.items()}))
 
     @property
-    def key(self) -> tuple[str, float, float, int]:
-        """(strategy, ratio, guard, guard tokens or 0): unique on a front."""
-        return self.strategy, round(self.ratio, 4), round(self.guard, 4), self.guard_tokens or 0
+    def key(self) -> tuple:
+        """(strategy, ratio, guard, guard tokens or 0[, "probe"]): unique on a front."""
+        k = (self.strategy, round(self.ratio, 4), round(self.guard, 4), self.guard_tokens or 0)
+        return k + ("probe",) if self.guard_at == "probe" else k
 
     def rel(self, device_type: str) -> float | None:
         return 1.0 if self.strategy == "full" else self.rel_ttft.get(device_type)
@@ -98,12 +104,13 @@ class Choice:
     budget_met: bool | None = None
     guard: float = 0.0  # the point's guard margin (nats; 0: none), applied to the request
     guard_tokens: int | None = None
+    guard_at: str = "answer"  # where that guard reads its gap (GenerationOptions.guard_at)
 
     def as_dict(self) -> dict[str, Any]:
         d = {"strategy": self.strategy, "ratio": self.ratio, "fidelity": self.fidelity,
              "predicted_ttft_s": self.predicted_ttft_s, "reason": self.reason, "budget_met": self.budget_met}
         if self.guard:
-            d.update(guard_margin=self.guard, guard_tokens=self.guard_tokens)
+            d.update(guard_margin=self.guard, guard_tokens=self.guard_tokens, guard_at=self.guard_at)
         return d
 
 
@@ -182,7 +189,8 @@ class Front:
             if not isinstance(data, dict) or data.get("format") != FORMAT:
                 raise ValueError(f"not a {FORMAT} document")
             pts = tuple(FrontPoint(p["strategy"], p["ratio"], p["fidelity"], p.get("kl"), p.get("rel_ttft", {}),
-                                   p.get("guard", 0.0), p.get("guard_tokens")) for p in data["points"])
+                                   p.get("guard", 0.0), p.get("guard_tokens"), p.get("guard_at", "answer"))
+                        for p in data["points"])
             d = data["default"]
             return cls(str(data["model"]), str(data.get("adapter", "")), pts, (d["strategy"], d["ratio"]),
                        str(data.get("source", "")))
@@ -200,13 +208,16 @@ class Front:
 
 
 def _choice(p: FrontPoint, predicted: float | None, reason: str, budget_met: bool | None = None) -> Choice:
-    return Choice(p.strategy, p.ratio, p.fidelity, predicted, reason, budget_met, p.guard, p.guard_tokens)
+    return Choice(p.strategy, p.ratio, p.fidelity, predicted, reason, budget_met, p.guard, p.guard_tokens,
+                  p.guard_at)
 
 
 def _point_json(p: FrontPoint) -> dict[str, Any]:
     d = {"strategy": p.strategy, "ratio": p.ratio, "fidelity": p.fidelity, "kl": p.kl, "rel_ttft": dict(p.rel_ttft)}
     if p.guard:
         d.update(guard=p.guard, guard_tokens=p.guard_tokens)
+    if p.guard_at != "answer":
+        d["guard_at"] = p.guard_at
     return d
 
 
@@ -244,18 +255,22 @@ def _eval_rows(path: Path) -> list[dict[str, str]]:
     return rows
 
 
-def _guard_of(label: str) -> tuple[float, int | None] | None:
-    """(margin, guard tokens) of an eval label's "+guard<M>[/<N>]" tag ("infoflow+adapter+guard1/1"), else None."""
+def _guard_of(label: str) -> tuple[float, int | None, str] | None:
+    """(margin, guard tokens, where) of an eval label's "+guard<M>[/<N>]" tag ("infoflow+adapter+guard1/1": the
+    answer's first token) or "+probeguard<M>" tag (the question probe), else None."""
+    _, sep, tag = label.partition(PROBE_GUARD_TAG)
+    if sep:
+        return float(tag), None, "probe"
     _, sep, tag = label.partition(GUARD_TAG)
     if not sep:
         return None
     margin, _, tokens = tag.partition("/")
-    return float(margin), int(tokens) if tokens else None
+    return float(margin), int(tokens) if tokens else None, "answer"
 
 
 def _per_dataset(path: Path, guarded: bool = False) -> dict[str, dict[tuple, dict]]:
     """{dataset: {(strategy, ratio): row}} of a summary's unguarded runs; with `guarded`, of its runs guarded at the
-    first token only, keyed (strategy, ratio, margin)."""
+    first token only or at the probe, keyed (strategy, ratio, margin, "answer" | "probe")."""
     rows = _eval_rows(path)
     if not rows:
         raise ValueError(f"{path}: no rows")
@@ -264,8 +279,8 @@ def _per_dataset(path: Path, guarded: bool = False) -> dict[str, dict[tuple, dic
         if "macro" in r["dataset"]:  # a summary's own macro rows: recomputed below from the datasets
             continue
         g = _guard_of(r["strategy"])
-        if guarded and g is not None and g[1] == 1:
-            by.setdefault(r["dataset"], {})[(*_strategy_key(r["strategy"], r["ratio"]), g[0])] = r
+        if guarded and g is not None and (g[1] == 1 or g[2] == "probe"):
+            by.setdefault(r["dataset"], {})[(*_strategy_key(r["strategy"], r["ratio"]), g[0], g[2])] = r
         elif not guarded and g is None:  # guarded runs are other points (their cost depends on hand-overs)
             by.setdefault(r["dataset"], {})[_strategy_key(r["strategy"], r["ratio"])] = r
     return by
@@ -285,10 +300,11 @@ def quality_from_eval(path: str | Path, datasets: list[str] | None = None) -> di
                 sum(float(by[d][k]["kl"]) for d in names) / len(names)) for k in sorted(keys)}
 
 
-def guarded_from_eval(path: str | Path, datasets: list[str] | None = None) -> dict[tuple[str, float, float], tuple]:
-    """(strategy, ratio, margin) -> (fidelity, KL, hand-over share) of a summary's first-token-guarded runs
-    ("+guard<M>/1"), averaged over the datasets (each point on every one). The hand-over share is read from the
-    recompute fraction beside the unguarded run's: an answer handed over recomputes every document token."""
+def guarded_from_eval(path: str | Path, datasets: list[str] | None = None) -> dict[tuple, tuple]:
+    """(strategy, ratio, margin, "answer" | "probe") -> (fidelity, KL, hand-over share) of a summary's
+    first-token-guarded runs ("+guard<M>/1") and probe-guarded runs ("+probeguard<M>"), averaged over the datasets
+    (each point on every one). The hand-over share is read from the recompute fraction beside the unguarded run's:
+    an answer handed over recomputes every document token."""
     path = Path(path)
     plain, by = _per_dataset(path), _per_dataset(path, guarded=True)
     names = datasets or sorted(plain)
@@ -336,11 +352,17 @@ def rel_ttft_from(source: str) -> dict[tuple[str, float], float]:
 
 def build_front(quality: str | Path, rel: Mapping[str, str | Sequence[str]], *, model: str, adapter: str,
                 default: tuple[str, float], datasets: list[str] | None = None,
-                guarded: str | Path | None = None) -> Front:
+                guarded: str | Path | None = None, probe_share: Mapping[str, float] | None = None) -> Front:
     """A front: fidelity and KL from one eval summary, relative TTFT per device type from `rel`
     ({device type: source or sources}, see `rel_ttft_from`; with several, a point takes its figure from the first
     source that measured it). A point without a relative TTFT for a device is not used there. First-token-guarded
-    points come from the `guarded` summary (default: `quality`), see `guarded_from_eval`."""
+    and probe-guarded points come from the `guarded` summary (default: `quality`), see `guarded_from_eval`.
+
+    A guarded point's relative TTFT is derived from its unguarded one, `base`, and the share `s` of answers handed
+    over: after the fused prefill (guard_at "answer") a hand-over adds a full prefill, `base + s`; at the probe it
+    replaces the fused prefill by the probe and a full prefill, `(1 - s) base + s (p base + 1)`, with `p` the
+    probe's share of the strategy's TTFT on that device (`probe_share`, by device type; 1 where not given, which
+    is the first formula: an upper bound)."""
     q = quality_from_eval(quality, datasets)
     sources = {dev: [src] if isinstance(src, str) else list(src) for dev, src in rel.items()}
     rels = {}
@@ -350,10 +372,17 @@ def build_front(quality: str | Path, rel: Mapping[str, str | Sequence[str]], *, 
             rels[dev].update(rel_ttft_from(src))
     points = tuple(FrontPoint(s, r, fid, kl, {dev: m[(s, r)] for dev, m in rels.items() if (s, r) in m})
                    for (s, r), (fid, kl) in q.items())
-    # first-token guards: the unguarded point's relative TTFT plus a full prefill for each answer handed over
-    points += tuple(FrontPoint(s, r, fid, kl, {dev: m[(s, r)] + share for dev, m in rels.items() if (s, r) in m},
-                               guard=g, guard_tokens=1)
-                    for (s, r, g), (fid, kl, share) in guarded_from_eval(guarded or quality, datasets).items())
+    shares = dict(probe_share or {})
+
+    def guarded_rel(base: float, share: float, at: str, dev: str) -> float:
+        if at == "answer":  # the unguarded point plus a full prefill for each answer handed over
+            return base + share
+        return (1 - share) * base + share * (shares.get(dev, 1.0) * base + 1)
+
+    points += tuple(FrontPoint(s, r, fid, kl, {dev: guarded_rel(m[(s, r)], share, at, dev)
+                                               for dev, m in rels.items() if (s, r) in m},
+                               guard=g, guard_tokens=1 if at == "answer" else None, guard_at=at)
+                    for (s, r, g, at), (fid, kl, share) in guarded_from_eval(guarded or quality, datasets).items())
     source = f"fidelity, KL: {quality}" + (f" (first-token guards: {guarded})" if guarded else "") + \
         "; relative TTFT: " + ", ".join(
         f"{d} {' then '.join(srcs)}" for d, srcs in sources.items())

@@ -160,6 +160,7 @@ class _Host:
     pool: object = None  # the KVPool every cached row lives in (None: plain)
     check: int = -1  # check kind: the check layer
     vb: int = 0  # probe kind: bucket of the probe's compressed key view (0: the probe sees every key)
+    gap: bool = False  # probe kind: the probe also runs to the last layer and gives the first token's top-2 gap
 
 
 class _Inputs:
@@ -189,6 +190,24 @@ class _Inputs:
     @staticmethod
     def width(nb: int, mb: int, kb: int, vb: int = 0) -> int:
         return nb + nb + 1 + mb + nb + nb + kb + 4 + vb
+
+
+class ProbeGuardTripped(Exception):
+    """GenerationOptions.guard_at="probe": the question probe's first token is a near-tie (its top-2 gap below the
+    request's guard), so the fused pass is not run; full prefill answers instead."""
+
+    def __init__(self, margin: float) -> None:
+        super().__init__(margin)
+        self.margin = margin
+
+
+def _check_probe_guard(gap: Tensor | None, guard: float | None) -> None:
+    """Reads the probe's gap on the host (the one synchronisation the probe guard costs) and trips below `guard`."""
+    if guard is None or gap is None:
+        return
+    margin = float(gap[0])
+    if margin < guard:
+        raise ProbeGuardTripped(margin)
 
 
 def _real_first(pos: Tensor) -> Tensor:
@@ -228,8 +247,9 @@ class LayoutGraphs:
         self.evictions = 0  # buckets dropped to make room (least recently used first)
 
     # -- host side --------------------------------------------------------------------------------------
-    def plan(self, plan, ids: Tensor, strategy, ratio: float) -> _Host | None:
-        """The request's bucket and packed inputs, or None when it is not eligible."""
+    def plan(self, plan, ids: Tensor, strategy, ratio: float, probe_gap: bool = False) -> _Host | None:
+        """The request's bucket and packed inputs, or None when it is not eligible. `probe_gap`: the probe also
+        reads its last row's first-token top-2 gap (GenerationOptions.guard_at="probe"; `run`'s `probe_guard`)."""
         if not getattr(strategy, "layout_free", False) or not plan.want_logits or plan.capture is not None:
             return None
         n, spec = plan.n, self.spec
@@ -270,7 +290,8 @@ class LayoutGraphs:
         sig = signature(strategy)
         if sig is None:
             return None
-        key = (*sig, kind, nb, mb, kb, vb, id(pool))
+        gap = bool(probe_gap) and kind == "probe"
+        key = (*sig, kind, nb, mb, kb, vb, gap, id(pool))
         packed = torch.zeros(_Inputs.width(nb, mb, kb, vb), dtype=torch.long)
         v = _Inputs(packed, nb, mb, kb, vb)
         if view is not None:
@@ -301,7 +322,7 @@ class LayoutGraphs:
         v.scalars[2], v.scalars[3] = plan.question_rows or (0, n)
         check = strategy.check_layers(spec.n_layers)[0] if kind == "check" else -1
         return _Host(kind=kind, n=n, nb=nb, m=m, mb=mb, k=k, kb=kb, key=key, packed=packed, pre=pre, pool=pool,
-                     check=check, vb=vb)
+                     check=check, vb=vb, gap=gap)
 
     # -- device side ------------------------------------------------------------------------------------
     def _rows(self, pool, inp: _Inputs, act: Tensor, nb: int) -> tuple[Tensor, Tensor]:
@@ -313,8 +334,10 @@ class LayoutGraphs:
         ext[torch.where(valid, act, nb)] = dst
         return ext[:nb], dst
 
-    def _select(self, h: _Host, inp: _Inputs, strategy, ratio: float, pool) -> Tensor:
-        """Probe kind: the question over the re-positioned cache, scores, top-K -> [K] chosen (-1 padded)."""
+    def _select(self, h: _Host, inp: _Inputs, strategy, ratio: float, pool):
+        """Probe kind: the question over the re-positioned cache, scores, top-K -> [K] chosen (-1 padded); with
+        `h.gap`, (chosen, [1] the top-2 gap of the last prompt row's logits): the probe then runs on to the last
+        layer, so that row's logits are the prompt's over the cached documents with nothing recomputed (reuse's)."""
         dec, spec = self.dec, self.spec
         cos, sin = self.runner._cos, self.runner._sin
         layers = strategy.probe_layers(spec.n_layers)
@@ -332,7 +355,8 @@ class LayoutGraphs:
         rope = (cos[act], sin[act])
         x = dec.embed_tokens(inp.ids[act.clamp_min(0)])
         probes = {}
-        for i in range(max(layers) + 1):
+        deepest = spec.n_layers - 1 if h.gap else max(layers)
+        for i in range(deepest + 1):
             kp, vp = pool.k[i], pool.v[i]
             q, k, v = dec.project(i, x)
             scatter_rows(kp, dst, k)
@@ -341,12 +365,17 @@ class LayoutGraphs:
             if i in layers:
                 att = attention_scores(qr, act, kp, rows, kv_pos, cos, sin, spec.scale)   # [M, N]
                 probes[i] = torch.where(valid[:, None] & cand[None, :], att, 0.0)
-            if i < max(layers):
+            if i < max(layers) or h.gap:
                 x = dec.finish(i, x, fused_attention(qr, act, kp, vp, view_rows, view_pos, cos, sin, spec.scale))
         own = valid & (act >= inp.scalars[2]) & (act < inp.scalars[3])
         ctx = SelectContext(n_layers=spec.n_layers, ratio=ratio, candidates=kv_pos, doc_spans=[], question=act,
                             question_attention=probes, probe_rows=own)
-        return self._top(strategy.scores(ctx), cand, inp, h.kb)
+        chosen = self._top(strategy.scores(ctx), cand, inp, h.kb)
+        if not h.gap:
+            return chosen
+        last = (valid.sum() - 1).view(1)  # the last prompt row: the last real probed row (padding sorts last)
+        top = dec.logits(x.index_select(0, last))[0].float().topk(2).values
+        return chosen, (top[0] - top[1]).view(1)
 
     @staticmethod
     def _top(scores: Tensor, cand: Tensor, inp: _Inputs, kb: int) -> Tensor:
@@ -427,8 +456,11 @@ class LayoutGraphs:
             self.pool = torch.cuda.graph_pool_handle()
 
     # -- one request ------------------------------------------------------------------------------------
-    def run(self, h: _Host, strategy, ratio: float, clock):
-        """Runs the request's bucket (replayed, captured, or eagerly) -> (logits, pending, recomputed)."""
+    def run(self, h: _Host, strategy, ratio: float, clock, probe_guard: float | None = None):
+        """Runs the request's bucket (replayed, captured, or eagerly) -> (logits, pending, recomputed).
+
+        `probe_guard` (a bucket planned with `probe_gap`): after the probe, its first-token gap is read on the host
+        and, below this many nats, ProbeGuardTripped is raised before the fused pass runs."""
         dev = self.dec.device
         pool = h.pool
         entry = self.entries.get(h.key) if self.graphs else None
@@ -444,6 +476,7 @@ class LayoutGraphs:
                 clock.start()
                 sel_graph.replay()
                 clock.stop()
+                _check_probe_guard(sel_graph.gap, probe_guard)
             main_graph.replay()
             self.replays += 1
             logits, fresh, act, recomputed = out
@@ -452,8 +485,11 @@ class LayoutGraphs:
             inp = _Inputs(h.packed.to(dev, non_blocking=True), h.nb, h.mb, h.kb, h.vb)
             if h.kind == "probe":
                 clock.start()
-                inp.chosen.copy_(self._body(h, inp, strategy, ratio, pool, "select"))
+                got = self._body(h, inp, strategy, ratio, pool, "select")
+                chosen, gap = got if h.gap else (got, None)
+                inp.chosen.copy_(chosen)
                 clock.stop()
+                _check_probe_guard(gap, probe_guard)
             logits, fresh, act, recomputed = self._body(h, inp, strategy, ratio, pool, "main")
         return self._outputs(h, inp, logits.clone(), fresh, act, recomputed)
 
@@ -486,10 +522,11 @@ class LayoutGraphs:
             inp = _Inputs(h.packed.to(self.dec.device), h.nb, h.mb, h.kb, h.vb)
             sel_graph = None
             if h.kind == "probe":
-                sel_graph, chosen = capture_graph(lambda: self._body(h, inp, strategy, ratio, pool, "select"),
-                                                  self.dec.device, self.pool)
+                sel_graph, got = capture_graph(lambda: self._body(h, inp, strategy, ratio, pool, "select"),
+                                               self.dec.device, self.pool)
+                chosen, gap = got if h.gap else (got, None)
                 # the select graph writes into the main graph's chosen input
-                sel_graph = _Chained(sel_graph, chosen, inp.chosen)
+                sel_graph = _Chained(sel_graph, chosen, inp.chosen, gap)
             main_graph, out = capture_graph(lambda: self._body(h, inp, strategy, ratio, pool, "main"),
                                             self.dec.device, self.pool)
         except Exception as exc:  # noqa: BLE001  (a bucket that cannot be captured runs eagerly for good)
@@ -529,10 +566,11 @@ class LayoutGraphs:
 
 
 class _Chained:
-    """A selection graph whose output is copied into the main graph's input."""
+    """A selection graph whose output is copied into the main graph's input (`gap`: its probe's first-token gap
+    output, when planned with one)."""
 
-    def __init__(self, graph, out: Tensor, dst: Tensor) -> None:
-        self.graph, self.out, self.dst = graph, out, dst
+    def __init__(self, graph, out: Tensor, dst: Tensor, gap: Tensor | None = None) -> None:
+        self.graph, self.out, self.dst, self.gap = graph, out, dst, gap
 
     def replay(self) -> None:
         self.graph.replay()

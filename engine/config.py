@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from .prompt import PromptFormat
-from .validate import check_dir_path, check_int, check_real, check_redis_url
+from .validate import check_dir_path, check_guard_at, check_int, check_real, check_redis_url
 
 __all__ = ["COLD_DOCUMENTS", "EngineConfig", "resolve_device", "resolve_dtype"]
 
@@ -146,6 +146,8 @@ class EngineConfig:
             likely tokens are less than this apart hands the answer to full prefill from there.
         guard_tokens: how many of the answer's first tokens that guard checks, for requests that set none
             (`GenerationOptions.guard_tokens`); None: every token.
+        guard_at: where the guard reads its gap, for requests that set none (`GenerationOptions.guard_at`):
+            "answer" (the default) or "probe".
         decode_tokens: KV rows kept for running requests (their computed prompt rows and answers), beyond the
             documents' memory budget (0: twice the context window, capped at 2 x 32768). With the pool tier they are
             rows of the same pool (a document's rows are read in place, never copied; requests may also take rows
@@ -187,6 +189,7 @@ class EngineConfig:
     cold_documents: str = "compute"
     guard_margin: float | None = None
     guard_tokens: int | None = None
+    guard_at: str = "answer"
 
     def cache_secret_bytes(self) -> bytes | None:
         """The disk cache's signing secret: `cache_secret`, else $KVFUSE_CACHE_SECRET, else None (unsigned)."""
@@ -216,6 +219,7 @@ class EngineConfig:
             check_real(self.guard_margin, "guard_margin", low=0.0)
         if self.guard_tokens is not None:
             check_int(self.guard_tokens, "guard_tokens", minimum=1)
+        check_guard_at(self.guard_at, self.guard_tokens if self.guard_at == "probe" else None)
         if not self.disk_retry_s >= 0:
             raise ValueError(f"disk_retry_s must be >= 0 seconds, got {self.disk_retry_s}")
         if self.redis_url is not None:

@@ -16,7 +16,7 @@ from typing import Any
 from .auto import AUTO
 from .fusion import DEFAULT_STRATEGY
 from .fusion.base import Strategy
-from .validate import (check_bool, check_int, check_real, check_seed, check_stop, check_strategy,
+from .validate import (check_bool, check_guard_at, check_int, check_real, check_seed, check_stop, check_strategy,
                        check_token_ids)
 
 __all__ = ["GenerationOptions"]
@@ -65,6 +65,12 @@ class GenerationOptions:
             the first (docs/quality/guard.md); a guarded request costs one full prefill more when it trips.
         guard_tokens: how many of the answer's first tokens the guard checks (>= 1; None: every token). 1 checks
             the first token only: a hand-over then costs TTFT and never stalls a stream mid-answer.
+        guard_at: where the guard reads its gap (None: the engine's `EngineConfig.guard_at`, "answer" by default).
+            "answer": the fused answer's tokens, as above. "probe": before the fused prefill, the first-token gap of
+            the question probe a query-aware strategy runs anyway (infoflow, prophetkv, qcfuse, coinrag): the prompt
+            over the cached documents with nothing recomputed. Below the margin full prefill answers and the fused
+            prefill is never run, so a hand-over costs the probe and a full prefill instead of a fused prefill and a
+            full one (docs/quality/guard.md); the answer's tokens are not checked. Not with `guard_tokens`.
     """
 
     strategy: str | Strategy = DEFAULT_STRATEGY
@@ -81,6 +87,7 @@ class GenerationOptions:
     ttft_budget_s: float | None = None
     guard_margin: float | None = None
     guard_tokens: int | None = None
+    guard_at: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.strategy_options, Mapping):
@@ -112,6 +119,7 @@ class GenerationOptions:
             set_(self, "guard_margin", check_real(self.guard_margin, "guard_margin", low=0.0))
         if self.guard_tokens is not None:
             set_(self, "guard_tokens", check_int(self.guard_tokens, "guard_tokens", minimum=1))
+        check_guard_at(self.guard_at, self.guard_tokens)
         set_(self, "strategy_options", MappingProxyType(opts))
         set_(self, "recompute_ratio", check_real(self.recompute_ratio, "recompute_ratio", low=0.0, high=1.0))
         set_(self, "max_new_tokens", check_int(self.max_new_tokens, "max_new_tokens", minimum=1))

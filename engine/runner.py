@@ -26,7 +26,7 @@ from ..kernels.block_sparse import block_sparse_attention
 from ..kernels.causal import causal_attention
 from ..kernels.rope import apply_rope
 from ..kernels.scatter import scatter_rows
-from .bucketed import LayoutGraphs
+from .bucketed import LayoutGraphs, ProbeGuardTripped
 from .cudagraph import capture_graph
 from .fusion.base import SelectContext, Strategy, signature
 from .models.base import Decoder
@@ -185,7 +185,7 @@ class Runner:
     @torch.inference_mode()
     def prefill(self, ids: Tensor, segments: list[Segment], strategy: Strategy, ratio: float, *,
                 extra_capacity: int = 0, capture: tuple[int, int] | None = None,
-                want_logits: bool = True) -> PrefillOutput:
+                want_logits: bool = True, probe_guard: float | None = None) -> PrefillOutput:
         """Fused prefill of one prompt.
 
         Args:
@@ -196,28 +196,38 @@ class Runner:
             extra_capacity: rows reserved in the decode cache after the prompt (new tokens).
             capture: (start, end) rows whose pre-RoPE K/V to return as a DocKV (they must be computed rows).
             want_logits: compute the last token's logits.
+            probe_guard: with a strategy that probes (`probe_layers`), the probe runs on to the last layer and its
+                last row's first-token top-2 gap (the prompt over the cached documents, nothing recomputed) is read
+                on the host; below this many nats ProbeGuardTripped is raised before the fused pass
+                (GenerationOptions.guard_at="probe"). Ignored when no probe runs.
         Returns:
             PrefillOutput.
+
+        Raises:
+            ProbeGuardTripped: see `probe_guard`.
         """
         dev = self.dec.device
         n = int(ids.numel())
         plan = self.plan(n, segments, strategy, extra_capacity=extra_capacity, capture=capture,
                          want_logits=want_logits)
-        bucket = self.layout.plan(plan, ids, strategy, ratio) if self.layout is not None else None
+        guarded = probe_guard is not None
+        bucket = (self.layout.plan(plan, ids, strategy, ratio, probe_gap=guarded) if self.layout is not None
+                  else None)
         if bucket is not None:
             self.rope(max(n + extra_capacity, bucket.nb + 1))
             clock = self._clock()
-            logits, pending, recomputed = self.layout.run(bucket, strategy, ratio, clock)
+            logits, pending, recomputed = self.layout.run(bucket, strategy, ratio, clock, probe_guard)
             return PrefillOutput(logits=logits, pending=pending, captured=None, recomputed=recomputed,
                                  selection_s=clock.seconds())
-        key = self._graph_key(plan, strategy, ratio)
+        # a whole-prefill graph holds no host read between its probe and its fused pass: a guarded probe runs eagerly
+        key = None if guarded else self._graph_key(plan, strategy, ratio)
         if key is not None:
             out = self.graphs.run(key, plan, ids, strategy, ratio)
             if out is not None:
                 return out
         self.rope(n + extra_capacity)
         return self._device_prefill(plan, ids.to(dev), plan.cand_host.to(dev), plan.must_pos.to(dev), strategy,
-                                    ratio, self._clock())
+                                    ratio, self._clock(), probe_guard=probe_guard)
 
     def plan(self, n: int, segments: list[Segment], strategy: Strategy, *, extra_capacity: int = 0,
              capture: tuple[int, int] | None = None, want_logits: bool = True) -> _Plan:
@@ -244,9 +254,9 @@ class Runner:
                      question_rows=(min(s for s, _ in question), max(e for _, e in question)) if question else None)
 
     def _device_prefill(self, plan: _Plan, ids: Tensor, candidates: Tensor, must_pos: Tensor, strategy: Strategy,
-                        ratio: float, clock, source=None) -> PrefillOutput:
+                        ratio: float, clock, source=None, probe_guard: float | None = None) -> PrefillOutput:
         """Everything after the host bookkeeping: device tensors in, logits out, no host synchronisation (so a
-        CUDA graph can capture it)."""
+        CUDA graph can capture it), bar the probe guard's one read (`prefill`)."""
         cached = plan.cached
         cos, sin = self._cos, self._sin
         ctx = SelectContext(n_layers=self.spec.n_layers, ratio=ratio, candidates=candidates,
@@ -260,10 +270,16 @@ class Runner:
             clock.start()
             view = strategy.probe_keys(ctx)
             keys = None if view is None else torch.unique(torch.cat([view.to(ids.device), must_pos]))
-            ctx.question_attention = self._layers(ids, cached, must_pos, must_pos[:0], cos, sin, False, strategy,
-                                                  ctx, probe_layers=probe_layers, probe_keys=keys,
-                                                  source=source).probes
+            probe = self._layers(ids, cached, must_pos, must_pos[:0], cos, sin, False, strategy, ctx,
+                                 probe_layers=probe_layers, probe_keys=keys, source=source,
+                                 through_last=probe_guard is not None)
+            ctx.question_attention = probe.probes
             clock.stop()
+            if probe_guard is not None:  # the probe ran to the last layer: its last row is the last prompt row
+                top = self.dec.logits(probe.h[-1:])[0].float().topk(2).values
+                margin = float(top[0] - top[1])
+                if margin < probe_guard:
+                    raise ProbeGuardTripped(margin)
 
         clock.start()
         chosen = (strategy.initial(ctx) if cached else candidates).to(ids.device)
@@ -301,13 +317,15 @@ class Runner:
         pending: tuple | None  # (source, fresh, n); fresh per layer: (positions, k, v) computed there, pre-RoPE
 
     def _layers(self, ids, cached, active, active_docs, cos, sin, keep, strategy, ctx, *, capture=None,
-                must_pos=None, probe_layers=(), probe_keys=None, clock=None, source=None) -> Runner._Run:
+                must_pos=None, probe_layers=(), probe_keys=None, clock=None, source=None,
+                through_last: bool = False) -> Runner._Run:
         """The layer loop over `active` rows.
 
         Cached rows are read through a source (pool rows in place, or per-layer assembled buffers); the
         computed rows' fresh K/V go to their scratch rows. With `probe_layers`, records question attention over
-        all keys and stops after the deepest probe layer; `probe_keys` (sorted positions) then restricts what
-        the probed rows attend to, so their states come from a compressed view.
+        all keys and stops after the deepest probe layer (`through_last`: after the last layer); `probe_keys`
+        (sorted positions) then restricts what the probed rows attend to, so their states come from a compressed
+        view.
         """
         dec, spec = self.dec, self.spec
         pieces = self.dense if self.dense is not None and not self.dense.suspended else None
@@ -316,7 +334,7 @@ class Runner:
         n = int(ids.numel())
         dev = ids.device
         check = set(strategy.check_layers(spec.n_layers)) if (cached and not probe_layers) else set()
-        last_layer = max(probe_layers) if probe_layers else spec.n_layers - 1
+        last_layer = max(probe_layers) if probe_layers and not through_last else spec.n_layers - 1
         src = source or make_source([(seg.start, seg.end, seg.kv) for seg in cached], n,
                                     (spec.n_kv_heads, spec.head_dim), dec.dtype, dev)
         h = dec.embed_tokens(ids[active])

@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 import torch
 
+from .bucketed import ProbeGuardTripped
 from .fusion import make_strategy
 from .threads import set_own_threads
 from .tracing import set_attributes, span
@@ -71,7 +72,8 @@ class Request:
 
     def __init__(self, engine, question: str, docs: list, messages: list | None, strat, ratio: float, max_new: int,
                  sampler, stop: list[str], teacher: torch.Tensor | None, return_logprobs: bool,
-                 auto: tuple | None = None, guard: float | None = None, guard_tokens: int | None = None) -> None:
+                 auto: tuple | None = None, guard: float | None = None, guard_tokens: int | None = None,
+                 guard_at: str = "answer") -> None:
         self.engine = engine
         self.question, self.docs, self.messages = question, docs, messages
         self.strat, self.ratio, self.max_new, self.sampler = strat, ratio, max_new, sampler
@@ -79,6 +81,7 @@ class Request:
         self.auto = auto  # strategy="auto": (target_fidelity, ttft_budget_s); the strategy is picked at start
         self.guard = guard  # GenerationOptions.guard_margin: below this top-2 margin, full prefill takes over
         self.guard_tokens = guard_tokens  # ... checked on the answer's first this many tokens (None: all)
+        self.guard_at = guard_at  # "answer": the fused answer's tokens; "probe": the question probe's first token
         self.cancel = threading.Event()
         self.sink: Callable[[tuple[str, Any]], None] | None = None
         self.t_call = time.perf_counter()
@@ -106,7 +109,7 @@ class Request:
         self.strat = make_strategy(choice.strategy)
         self.ratio = choice.ratio
         if choice.guard:  # a guarded point: its guard, as measured, whatever the request or engine default set
-            self.guard, self.guard_tokens = choice.guard, choice.guard_tokens
+            self.guard, self.guard_tokens, self.guard_at = choice.guard, choice.guard_tokens, choice.guard_at
         self.extra["auto"] = choice.as_dict()
         return doc_ids
 
@@ -172,7 +175,11 @@ class Request:
                 raise _NoRoom
             seq = None
             try:
-                out = eng.prefill_runner(strat).prefill(layout.ids, segs, strat, self.ratio, extra_capacity=reserve)
+                try:
+                    out = eng.prefill_runner(strat).prefill(layout.ids, segs, strat, self.ratio,
+                                                            extra_capacity=reserve, probe_guard=self._probe_guard(first))
+                except ProbeGuardTripped as trip:  # the probe's first token is a near-tie: no fused pass
+                    raise _Escalate(trip.margin) from None
                 if first:
                     greedy = None
                     if self.guarding:  # the same read gives the greedy token
@@ -206,13 +213,22 @@ class Request:
     # -- the guard (GenerationOptions.guard_margin) -----------------------------------------------------------------
     @property
     def guarding(self) -> bool:
-        """Whether this request's tokens are checked: a guard is set and its path is not full prefill already."""
-        return (self.guard is not None and self.strat is not None and self.strat.name != "full"
-                and (self.guard_tokens is None or len(self.tokens) < self.guard_tokens))
+        """Whether this request's tokens are checked: a guard is set on the answer and its path is not full prefill
+        already."""
+        return (self.guard is not None and self.guard_at == "answer" and self.strat is not None
+                and self.strat.name != "full" and (self.guard_tokens is None or len(self.tokens) < self.guard_tokens))
+
+    def _probe_guard(self, first: bool) -> float | None:
+        """The margin the prefill's question probe checks (GenerationOptions.guard_at="probe"), or None."""
+        if (not first or self.guard is None or self.guard_at != "probe" or self.strat is None
+                or self.strat.name == "full"):
+            return None
+        return self.guard
 
     def _escalated(self, step: int, margin: float) -> None:
         self.extra["guard"] = {"requested": self.strat.name, "ratio": float(self._reported_ratio()),
-                               "margin_nats": float(self.guard), "escalated_at": step, "margin": round(margin, 4),
+                               "margin_nats": float(self.guard), "at": self.guard_at, "escalated_at": step,
+                               "margin": round(margin, 4),
                                "fused_s": round(time.perf_counter() - self.t_start, 6)}
         self.strat = make_strategy("full")
 

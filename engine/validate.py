@@ -176,3 +176,16 @@ def check_dir_path(path: Any, what: str):
                 raise ValueError(f"{what} {str(p)!r} cannot be created: {str(parent)!r} is not a directory")
             break
     return p
+
+
+GUARD_AT = ("answer", "probe")
+
+
+def check_guard_at(value: Any, guard_tokens: Any = None) -> None:
+    """`guard_at` (GenerationOptions, EngineConfig): None, "answer" or "probe"; "probe" reads no answer token, so
+    it takes no `guard_tokens`."""
+    if value is not None and value not in GUARD_AT:
+        raise ValueError(f"guard_at must be one of {GUARD_AT}, got {value!r}")
+    if value == "probe" and guard_tokens is not None:
+        raise ValueError("guard_at='probe' reads the question probe before the fused prefill, no answer token: "
+                         f"give no guard_tokens (got {guard_tokens!r})")

@@ -601,13 +601,24 @@ def cmd_front(args) -> int:
 
         path = resolve_adapter(adapter, args.model)
         adapter = load_adapter(path).digest[:16] if path is not None else ""
+    shares = {}
+    for item in args.probe_share or []:
+        dev, sep, val = item.partition("=")
+        try:
+            share = float(val)
+        except ValueError:
+            share = -1.0
+        if not sep or not dev or not 0.0 < share <= 1.0:
+            raise CliError(f"--probe-share takes DEVICE=SHARE with a share in (0, 1], got {item!r}")
+        shares[dev] = share
     front = build_front(args.quality, rel, model=args.model, adapter="" if adapter == "none" else adapter,
                         default=default, datasets=args.datasets.split(",") if args.datasets else None,
-                        guarded=args.guarded)
+                        guarded=args.guarded, probe_share=shares)
     front.save(args.out)
     for p in front.points:
         rels = ", ".join(f"{d} {r:.3f}" for d, r in sorted(p.rel_ttft.items()))
-        guard = f" + guard {p.guard:g} nats (first token)" if p.guard else ""
+        where = "question probe" if p.guard_at == "probe" else "first token"
+        guard = f" + guard {p.guard:g} nats ({where})" if p.guard else ""
         print(f"{p.strategy:>12} @ {p.ratio:<5g}{guard} fidelity {p.fidelity:.3f}  relative TTFT {rels or '1'}")
     print(f"wrote {args.out} (model {front.model}, adapter {front.adapter or 'none'}, default {front.default})")
     return 0
@@ -776,6 +787,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--guarded", default=None, help="a kvfuse eval summary whose first-token-guarded runs "
                    "('+guard<M>/1', from eval --guard M --guard-tokens 1) become points of their own (default: "
                    "those of --quality)")
+    p.add_argument("--probe-share", action="append", dest="probe_share", metavar="DEVICE=SHARE",
+                   help="the question probe's share of a probing strategy's TTFT on DEVICE, for the TTFT of points "
+                        "guarded at the probe ('+probeguard<M>', from eval --guard M --guard-at probe); repeatable; "
+                        "default 1 (an upper bound: a hand-over then costs what one after the fused prefill does)")
     p.add_argument("--default", default="infoflow@0.15", help="the point auto takes with no target (STRATEGY@RATIO)")
     p.add_argument("--out", required=True, help="the front's JSON file")
     p.set_defaults(func=cmd_front)

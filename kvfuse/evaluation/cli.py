@@ -91,6 +91,11 @@ def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--guard-tokens", type=int, dest="guard_tokens", metavar="N",
                    help="the --guard runs check only the answer's first N tokens (GenerationOptions.guard_tokens; "
                         "recorded as '+guard<M>/<N>'; default: every token)")
+    p.add_argument("--guard-at", choices=("answer", "probe"), default="answer", dest="guard_at",
+                   help="where the --guard runs read their gap (GenerationOptions.guard_at): 'answer' (the fused "
+                        "answer's tokens; default) or 'probe' (before the fused prefill, the question probe's first "
+                        "token; only strategies that probe; recorded as '<strategy>+probeguard<M>'; not with "
+                        "--guard-tokens)")
     p.add_argument("--device", help="engine device (default: the engine's choice)")
     p.add_argument("--dtype", help="engine dtype, e.g. bfloat16 or float32 (default: the engine's choice)")
     p.add_argument("--no-progress", action="store_true", dest="no_progress", help="no progress bar")
@@ -123,6 +128,15 @@ def _parse_numbers(value: str | None, flag: str, ok, what: str) -> list[float]:
 def _guard_tokens(value: int | None) -> int | None:
     if value is not None and value < 1:
         raise ValueError(f"--guard-tokens must be >= 1, got {value}")
+    return value
+
+
+def _guard_at(value: str | None, tokens: int | None) -> str:
+    value = value or "answer"
+    if value not in ("answer", "probe"):
+        raise ValueError(f"--guard-at must be 'answer' or 'probe', got {value!r}")
+    if value == "probe" and tokens is not None:
+        raise ValueError("--guard-at probe reads no answer token: give no --guard-tokens")
     return value
 
 
@@ -177,6 +191,7 @@ def _resolve(args: argparse.Namespace) -> dict[str, Any]:
         "ratios": _parse_ratios(get("ratios")),
         "guards": _parse_guards(getattr(args, "guard", None)),
         "guard_tokens": _guard_tokens(getattr(args, "guard_tokens", None)),
+        "guard_at": _guard_at(getattr(args, "guard_at", None), getattr(args, "guard_tokens", None)),
         "model": str(get("model")),
         "seed": int(get("seed")),
         "max_new_tokens": mnt,
@@ -237,7 +252,7 @@ def run_eval(args: argparse.Namespace, engine_factory: Any = None) -> int:
                              skip=opt["skip"])
     if not examples:
         raise ValueError("no examples selected (check --datasets / --limit)")
-    configs = build_configs(opt["strategies"], opt["ratios"], opt["guards"], opt["guard_tokens"])
+    configs = build_configs(opt["strategies"], opt["ratios"], opt["guards"], opt["guard_tokens"], opt["guard_at"])
     adapter = _adapter_for(opt["adapter"], opt["model"])
     if engine_factory is None:
         def engine_factory() -> Any:

@@ -27,7 +27,7 @@ from typing import Any
 
 # runs with GenerationOptions.guard_margin are labelled "<strategy>+guard0.5" ("+guard0.5/1": guard_tokens 1); one
 # tag for both, since fronts read the labels back
-from kvfuse.engine.auto import GUARD_TAG
+from kvfuse.engine.auto import GUARD_TAG, PROBE_GUARD_TAG
 
 from .data import Example
 from .metrics import fidelity, mean_kl, metric_name, task_score
@@ -52,11 +52,14 @@ class Config:
     ratio: float
     guard: float | None = None
     guard_tokens: int | None = None
+    guard_at: str = "answer"  # GenerationOptions.guard_at of the guard
 
     @property
     def guard_tag(self) -> str:
         if self.guard is None:
             return ""
+        if self.guard_at == "probe":
+            return f"{PROBE_GUARD_TAG}{self.guard:g}"
         return f"{GUARD_TAG}{self.guard:g}" + ("" if self.guard_tokens is None else f"/{self.guard_tokens}")
 
     @property
@@ -109,10 +112,11 @@ def _offline_strategies(configs: Sequence[Config]) -> list[str]:
 
 
 def build_configs(strategies: Sequence[str], ratios: Sequence[float], guards: Sequence[float] = (),
-                  guard_tokens: int | None = None) -> list[Config]:
+                  guard_tokens: int | None = None, guard_at: str = "answer") -> list[Config]:
     """`full` first (always: it is the reference), then every strategy at every ratio, each also with every guard
     margin of `guards` (GenerationOptions.guard_margin, checking the first `guard_tokens` answer tokens; full is
-    never guarded).
+    never guarded). With `guard_at="probe"` the guards read the question probe (GenerationOptions.guard_at), and
+    only strategies that run one (infoflow, prophetkv, qcfuse, coinrag) get guarded variants.
 
     Strategies that ignore the ratio (`full`, `reuse`) appear once, with ratio 1 / 0.
 
@@ -147,12 +151,24 @@ def build_configs(strategies: Sequence[str], ratios: Sequence[float], guards: Se
                 raise ValueError(f"--strategies: unknown strategy {s!r}; available: {', '.join(known)} (a variant: "
                                  f"name:key=value, e.g. infoflow:rows=all)")
         fixed = _ratio_free(s)
+        guarded = s != REFERENCE and (guard_at != "probe" or _probes(s))
         for r in ([fixed] if fixed is not None else ratios):
-            for g in ([None] + [float(g) for g in guards]) if s != REFERENCE else [None]:
-                c = Config(s, round(float(r), 4), g, None if g is None else guard_tokens)
+            for g in ([None] + [float(g) for g in guards]) if guarded else [None]:
+                c = (Config(s, round(float(r), 4), g, None if g is None else guard_tokens) if guard_at != "probe"
+                     else Config(s, round(float(r), 4), g, None, "answer" if g is None else "probe"))
                 if c not in out:
                     out.append(c)
     return out
+
+
+def _probes(spec: str) -> bool:
+    """Whether strategy `spec` runs a question probe (what guard_at="probe" reads)."""
+    try:
+        from kvfuse.engine.fusion import make_strategy
+
+        return bool(make_strategy(spec).probe_layers(24))
+    except (ImportError, TypeError, ValueError):
+        return False
 
 
 def record_key(example_id: str, strategy: str, ratio: float, model: str, max_new_tokens: int,
@@ -384,6 +400,7 @@ class EvalRunner:
             if cfg.guard is not None:
                 scoring["guard_margin"] = cfg.guard
                 scoring["guard_tokens"] = cfg.guard_tokens
+                scoring["guard_at"] = cfg.guard_at
             return self.engine.generate(ex.question, ex.docs, strategy=cfg.strategy, recompute_ratio=cfg.ratio,
                                         max_new_tokens=self.max_new_tokens, temperature=0.0, seed=self.seed,
                                         **scoring)
@@ -452,6 +469,7 @@ class EvalRunner:
         if cfg.guard is not None:  # where the guard handed the answer to full prefill (None: it never did)
             g = (getattr(result, "extra", None) or {}).get("guard") or {}
             rec["guard_margin"] = cfg.guard
+            rec["guard_at"] = cfg.guard_at
             rec["guard_escalated_at"] = None if g.get("skipped") else g.get("escalated_at")
         sparse = (getattr(result, "extra", None) or {}).get("sift")
         if isinstance(sparse, dict) and "density" in sparse:  # sift: the share of causal block pairs attended

@@ -217,6 +217,50 @@ def test_auto_serves_a_guarded_point_with_its_guard(engine):
     assert plain.strategy == "reuse" and "guard" not in plain.extra  # an unguarded point: no guard
 
 
+def test_a_probe_guard_is_a_point_whose_ttft_swaps_the_fused_prefill_for_the_probe(tmp_path):
+    """A run guarded at the question probe ("+probeguard1") becomes a point of its own: its fidelity as measured,
+    its relative TTFT (1 - s) base + s (p base + 1), with s the share handed over and p the probe's share of the
+    strategy's TTFT (`probe_share`; 1 where not given, the first-token formula's base + s); it round-trips."""
+    head = ("dataset,strategy,ratio,n,metric,score,score_lo,score_hi,rel_full_pct,fidelity,fidelity_lo,fidelity_hi,"
+            "kl,ttft_s,recompute_fraction\n")
+    rows = ["a,full,1.0,5,f1,.4,0,1,100,1.0,1,1,0.0,2.0,1.0", "a,infoflow,0.15,5,f1,.4,0,1,100,0.6,0,1,0.2,1.0,0.15",
+            "a,infoflow+probeguard1,0.15,5,f1,.4,0,1,100,0.9,0,1,0.05,1.5,0.405",  # 30% handed over
+            "b,full,1.0,5,f1,.4,0,1,100,1.0,1,1,0.0,4.0,1.0", "b,infoflow,0.15,5,f1,.4,0,1,100,0.8,0,1,0.1,1.0,0.15",
+            "b,infoflow+probeguard1,0.15,5,f1,.4,0,1,100,0.96,0,1,0.03,1.5,0.235"]  # 10%
+    (tmp_path / "s.csv").write_text(head + "\n".join(rows) + "\n")
+    (tmp_path / "ttft.csv").write_text("shape,context,row,tier,ttft_ms\ns,8192,kvfuse full first-sight,pool,20\n"
+                                       "s,8192,kvfuse infoflow@15% first-sight,pool,10\n")
+    rel = {"cuda": f"{tmp_path / 'ttft.csv'}:s:8192", "cpu": str(tmp_path / "s.csv")}
+    f = build_front(tmp_path / "s.csv", rel, model="m", adapter="", default=("infoflow", 0.15),
+                    probe_share={"cuda": 0.2})
+    plain, guarded = [p for p in f.points if p.strategy == "infoflow"]
+    assert (guarded.guard, guarded.guard_tokens, guarded.guard_at) == (1.0, None, "probe")
+    assert guarded.fidelity == pytest.approx(0.93)
+    s = (0.3 + 0.1) / 2
+    assert guarded.rel_ttft["cuda"] == pytest.approx((1 - s) * 0.5 + s * (0.2 * 0.5 + 1))
+    base_cpu = plain.rel_ttft["cpu"]
+    assert guarded.rel_ttft["cpu"] == pytest.approx(base_cpu + s)  # no probe share given: the upper bound
+    again = Front.from_json(json.loads(json.dumps(f.to_json())))
+    assert [p.key for p in again.points] == [p.key for p in f.points]
+    c = f.choose("cuda", target_fidelity=0.9)
+    assert (c.guard, c.guard_at) == (1.0, "probe") and c.as_dict()["guard_at"] == "probe"
+    with pytest.raises(ValueError, match="guard_at"):
+        FrontPoint("infoflow", 0.15, 0.9, guard=1.0, guard_tokens=1, guard_at="probe")
+    with pytest.raises(ValueError, match="guard_at"):
+        FrontPoint("infoflow", 0.15, 0.9, guard_at="probe")
+
+
+def test_auto_serves_a_probe_guarded_point_with_its_guard(engine):
+    """A point guarded at the probe is served so: above every gap, the request is full prefill's, handed over at
+    the probe."""
+    engine.front = Front("m", "", POINTS + (FrontPoint("prophetkv", 0.3, 0.95, 0.01, {"cpu": 0.5}, 1e9, None,
+                                                       "probe"),), ("infoflow", 0.15))
+    r = engine.generate(QUESTION, DOCS, strategy="auto", target_fidelity=0.9, max_new_tokens=6)
+    full = engine.generate(QUESTION, DOCS, strategy="full", max_new_tokens=6)
+    assert r.extra["auto"]["guard_at"] == "probe" and r.extra["guard"]["at"] == "probe"
+    assert r.strategy == "full" and r.token_ids == full.token_ids
+
+
 def test_auto_with_a_budget_predicts_from_the_engines_own_rate(engine):
     engine.front = front()
     engine.ttft_rate = TtftRate()

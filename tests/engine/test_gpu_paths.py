@@ -102,6 +102,33 @@ def test_warmup_captures_the_buckets_of_a_range_so_new_requests_replay(strategy)
     graphs.close()
 
 
+@pytest.mark.parametrize("strategy", ["infoflow", "prophetkv"])
+def test_the_probe_guard_reads_the_same_gap_from_replayed_bucket_graphs(strategy):
+    """guard_at="probe" on CUDA: the select graph of a bucket captured with the probe's first-token gap gives the
+    eager path's gap; above it every request (eager, captured, replayed) is handed to full prefill with no fused
+    pass, below it the answers are the fused ones."""
+    eager = _engine("llama3", kv_tier="pool", cuda_graphs=False)
+    graphs = _engine("llama3", kv_tier="pool", cuda_graphs=True)
+    longer = QUESTION + " Answer briefly."
+    layouts = [(QUESTION, DOCS), (longer, DOCS[::-1]), (QUESTION, [DOCS[1], DOCS[0], DOCS[2]]),
+               (longer, [DOCS[2], DOCS[1], DOCS[0]])]
+    kw = dict(strategy=strategy, recompute_ratio=0.3, max_new_tokens=6, guard_at="probe")
+    for question, docs in layouts:
+        ref = eager.generate(question, docs, guard_margin=1e9, **kw)
+        got = graphs.generate(question, docs, guard_margin=1e9, **kw)
+        full = eager.generate(question, docs, strategy="full", max_new_tokens=6)
+        assert ref.strategy == got.strategy == "full" and got.token_ids == ref.token_ids == full.token_ids
+        gap = ref.extra["guard"]["margin"]
+        assert got.extra["guard"]["margin"] == pytest.approx(gap, abs=0.05)  # bf16 on both paths
+        plain = eager.generate(question, docs, **{**kw, "guard_at": None})
+        low = graphs.generate(question, docs, guard_margin=max(gap - 0.2, 1e-3), **kw)
+        assert low.strategy == strategy and low.token_ids == plain.token_ids and "guard" not in low.extra
+    lg = graphs.fused_runner.layout
+    assert lg.captures >= 1 and lg.replays >= 2, (lg.captures, lg.replays, lg.eager_runs)
+    eager.close()
+    graphs.close()
+
+
 def test_cpu_reference_and_triton_engine_agree():
     cpu_model, tok, info = load_tiny("llama", dtype=torch.float32)
     cpu = FusionEngine(cpu_model, tok, EngineConfig(), model_fingerprint=info.fingerprint,

@@ -143,3 +143,81 @@ def test_guard_tokens_limits_the_check_to_the_answers_first_tokens(engine):
 def test_a_bad_guard_tokens_is_refused(bad):
     with pytest.raises(ValueError, match="guard_tokens"):
         GenerationOptions(guard_margin=0.5, guard_tokens=bad)
+
+
+# -- guard_at="probe": the question probe's first-token gap, read before the fused prefill -------------------------
+
+def _reuse_gap(eng) -> float:
+    r = eng.generate(QUESTION, DOCS, strategy="reuse", max_new_tokens=1, return_logprobs=True)
+    top = r.extra["logprobs"][0].float().topk(2).values
+    return float(top[0] - top[1])
+
+
+@pytest.mark.parametrize("path", ["runner", "bucketed"])
+@pytest.mark.parametrize("strategy", ["infoflow", "prophetkv"])
+def test_the_probe_guard_reads_reuses_gap_and_hands_over_before_the_fused_pass(tiny_engine, monkeypatch, path,
+                                                                                strategy):
+    """The probe of a query-aware strategy, run on to the last layer, gives the prompt's first token over the cached
+    documents with nothing recomputed: reuse's. Just above that gap the request is full prefill's, token for token,
+    and the fused pass never runs; just below, the fused answer is untouched."""
+    from kvfuse.engine.bucketed import LayoutGraphs
+    from kvfuse.engine.runner import Runner
+
+    # the bucketed path (CUDA's first-sight one, eager on the CPU) reads the pooled tier
+    eng = tiny_engine("qwen2", kv_tier="pool", bucketed_prefill=path == "bucketed")
+    eng.precompute(DOCS)
+    full = eng.generate(QUESTION, DOCS, strategy="full", max_new_tokens=N)
+    plain = eng.generate(QUESTION, DOCS, strategy=strategy, recompute_ratio=0.3, max_new_tokens=N)
+    gap = _reuse_gap(eng)
+    fused_passes = []
+    layers, main = Runner._layers, LayoutGraphs._main
+    monkeypatch.setattr(Runner, "_layers", lambda self, *a, **k: (  # a[1]: cached segments (none for full)
+        fused_passes.append("runner") if a[1] and not k.get("probe_layers") else None, layers(self, *a, **k))[1])
+    monkeypatch.setattr(LayoutGraphs, "_main", lambda self, *a, **k: (  # a[0]: the bucket ("plain": full)
+        fused_passes.append("bucketed") if a[0].kind != "plain" else None, main(self, *a, **k))[1])
+    over = eng.generate(QUESTION, DOCS, strategy=strategy, recompute_ratio=0.3, max_new_tokens=N,
+                        guard_margin=gap + 1e-3, guard_at="probe")
+    assert over.strategy == "full" and over.token_ids == full.token_ids
+    g = over.extra["guard"]
+    assert g["at"] == "probe" and g["requested"] == strategy and g["escalated_at"] == 0
+    assert g["margin"] == pytest.approx(gap, abs=1e-3)
+    assert fused_passes.count(path) == 0  # no fused pass ran (the probe and full prefill's plain pass did)
+    under = eng.generate(QUESTION, DOCS, strategy=strategy, recompute_ratio=0.3, max_new_tokens=N,
+                         guard_margin=gap - 1e-3, guard_at="probe")
+    assert under.strategy == strategy and under.token_ids == plain.token_ids and "guard" not in under.extra
+    assert fused_passes == [path]
+
+
+def test_the_probe_guard_checks_no_answer_token(engine, monkeypatch):
+    """guard_at="probe" reads the probe alone: a margin below the probe's gap leaves even a near-tie mid-answer
+    alone (the answer guard would hand it over there)."""
+    gap = _reuse_gap(engine)
+    r = engine.generate(QUESTION, DOCS, strategy="infoflow", recompute_ratio=0.3, max_new_tokens=N,
+                        guard_margin=gap - 1e-3, guard_at="probe", return_logprobs=True)
+    assert "guard" not in r.extra and r.strategy == "infoflow"
+    assert min(guard_margins(r.extra["logprobs"])) < gap - 1e-3  # the answer has a token below the margin
+
+
+def test_the_engine_default_guard_at_applies_and_a_request_overrides_it(tiny_engine):
+    eng = tiny_engine("qwen2", guard_margin=1e9, guard_at="probe")
+    eng.precompute(DOCS)
+    r = eng.generate(QUESTION, DOCS, strategy="prophetkv", recompute_ratio=0.3, max_new_tokens=N)
+    assert r.strategy == "full" and r.extra["guard"]["at"] == "probe"
+    a = eng.generate(QUESTION, DOCS, strategy="cacheblend", recompute_ratio=0.3, max_new_tokens=N,
+                     guard_at="answer")
+    assert a.strategy == "full" and a.extra["guard"]["at"] == "answer"
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(strategy="cacheblend", guard_margin=1.0, guard_at="probe"), "runs none"),
+    (dict(strategy="reuse", guard_margin=1.0, guard_at="probe"), "runs none"),
+    (dict(strategy="infoflow", guard_margin=1.0, guard_at="before"), "guard_at must be one of"),
+    (dict(strategy="infoflow", guard_margin=1.0, guard_at="probe", guard_tokens=1), "no guard_tokens"),
+])
+def test_a_bad_probe_guard_is_refused_before_any_work(engine, kwargs, message):
+    before = engine.serving_stats()["requests_done"]
+    with pytest.raises(ValueError, match=message):
+        engine.generate(QUESTION, DOCS, max_new_tokens=2, **kwargs)
+    assert engine.serving_stats()["requests_done"] == before
+    with pytest.raises(ValueError, match="guard_at must be one of"):
+        EngineConfig(guard_at="first")

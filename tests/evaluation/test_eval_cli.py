@@ -100,6 +100,7 @@ def test_smoke_mode_reports_failures(tmp_path, capsys):
     (("--smoke", "--guard", "0"), r"--guard: 0 is not a margin > 0"),
     (("--smoke", "--guard", "x"), r"--guard: 'x' is not a number"),
     (("--smoke", "--guard", "1", "--guard-tokens", "0"), r"--guard-tokens must be >= 1"),
+    (("--smoke", "--guard", "1", "--guard-at", "probe", "--guard-tokens", "1"), r"--guard-at probe reads no answer"),
     (("--smoke", "--limit", "-1"), "--limit"),
     (("--smoke", "--skip", "-1"), "--skip"),
     (("--smoke", "--max-new-tokens", "0"), "--max-new-tokens"),

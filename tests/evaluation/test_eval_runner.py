@@ -231,6 +231,27 @@ def test_build_configs_with_guards():
         "full", "reuse", "reuse+guard0.5/1"]
 
 
+def test_probe_guards_go_to_the_strategies_that_probe():
+    cfg = build_configs(["reuse", "cacheblend", "infoflow", "prophetkv"], [0.15], guards=[1], guard_at="probe")
+    assert [c.label for c in cfg] == ["full", "reuse", "cacheblend@0.15", "infoflow@0.15", "infoflow@0.15+probeguard1",
+                                      "prophetkv@0.15", "prophetkv@0.15+probeguard1"]
+    assert {c.guard_at for c in cfg if c.guard} == {"probe"} and all(c.guard_tokens is None for c in cfg)
+
+
+def test_a_probe_guarded_run_is_recorded_beside_the_plain_one(tmp_path, examples, tiny_engine):
+    """A probe guard above every gap: each answer is full prefill's, recorded as handed over at the first token with
+    every document token recomputed; below every gap, the fused answer."""
+    runner = _runner(tmp_path, lambda: tiny_engine("qwen2"), max_new_tokens=4, warmup=False)
+    runner.run(examples[:2], build_configs(["infoflow"], [0.15], guards=[1e9, 1e-9], guard_at="probe"))
+    recs = {(r["example_id"], r["strategy"]): r for r in runner.store.all()}
+    for ex in examples[:2]:
+        full, plain = recs[(ex.id, "full")], recs[(ex.id, "infoflow")]
+        high, low = recs[(ex.id, "infoflow+probeguard1e+09")], recs[(ex.id, "infoflow+probeguard1e-09")]
+        assert high["token_ids"] == full["token_ids"] and high["recompute_fraction"] == 1.0
+        assert high["guard_escalated_at"] == 0 and high["guard_at"] == "probe"
+        assert low["guard_escalated_at"] is None and low["token_ids"] == plain["token_ids"]
+
+
 def test_a_guarded_run_is_recorded_with_where_it_escalated(tmp_path, examples, tiny_engine):
     """With the real engine (a tiny model): a guard above every margin makes each answer full prefill's, and the
     record says so (escalated at the first token, every document token recomputed)."""
