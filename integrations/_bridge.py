@@ -22,7 +22,7 @@ SIFT_METADATA_KEY = "kvfuse_sift_index"
 
 #: Per-call options forwarded to `FusionEngine.generate` / `.stream` (everything else is rejected).
 GENERATION_OPTIONS = ("strategy", "recompute_ratio", "max_new_tokens", "temperature", "top_p", "seed", "stop",
-                      "guard_margin", "guard_tokens")
+                      "guard_margin", "guard_tokens", "guard_at")
 
 
 def content_id(text: str) -> str:

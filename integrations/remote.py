@@ -32,7 +32,7 @@ __all__ = ["RemoteEngine", "RemoteResult", "RemoteError", "RemoteOverloaded"]
 _BODY_NAMES = {"strategy": "strategy", "recompute_ratio": "recompute_ratio", "max_new_tokens": "max_tokens",
                "temperature": "temperature", "top_p": "top_p", "seed": "seed", "stop": "stop",
                "target_fidelity": "target_fidelity", "ttft_budget_s": "ttft_budget_s",
-               "guard_margin": "guard_margin", "guard_tokens": "guard_tokens"}
+               "guard_margin": "guard_margin", "guard_tokens": "guard_tokens", "guard_at": "guard_at"}
 
 
 class RemoteError(ValueError):

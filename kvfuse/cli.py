@@ -40,7 +40,7 @@ def _engine(args):
     cold = getattr(args, "cold_documents", None)
     if cold is not None:
         config["cold_documents"] = cold
-    for name in ("guard_margin", "guard_tokens"):
+    for name in ("guard_margin", "guard_tokens", "guard_at"):
         if getattr(args, name, None) is not None:
             config[name] = getattr(args, name)
     return FusionEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype,
@@ -696,6 +696,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "a request's guard_margin 0 turns it off)")
     p.add_argument("--guard-tokens", type=int, default=None, metavar="N",
                    help="that guard checks only the answer's first N tokens (default: every token)")
+    p.add_argument("--guard-at", default=None, choices=["answer", "probe"],
+                   help="where that guard reads its gap: the fused answer's tokens (answer, the default) or, before "
+                        "the fused prefill, the question probe of a query-aware strategy (probe: a hand-over then "
+                        "skips the fused prefill; not with --guard-tokens)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     p.add_argument("--front", default=None, help="a measured front (kvfuse front) for strategy 'auto', instead of "
                                                 "the one shipped for the model")

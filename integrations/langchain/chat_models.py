@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.documents import Document as LCDocument
@@ -353,6 +353,9 @@ class ChatKVFuse(BaseChatModel):
         "0: none, None: the engine's default)."))
     guard_tokens: int | None = Field(default=None, ge=1, description=(
         "How many of the answer's first tokens the guard checks (None: every token)."))
+    guard_at: Literal["answer", "probe"] | None = Field(default=None, description=(
+        "Where the guard reads its gap: the fused answer's tokens (answer) or, before the fused prefill, the "
+        "question probe of a query-aware strategy (probe; GenerationOptions.guard_at; None: the engine's default)."))
     max_retries: int = Field(default=0, ge=0, description="Accepted for compatibility; nothing is retried.")
     model_kwargs: dict[str, Any] = Field(default_factory=dict, description="Fusion strategy options.")
 
@@ -466,6 +469,7 @@ class ChatKVFuse(BaseChatModel):
                 "top_p": kwargs.pop("top_p", self.top_p),
                 "guard_margin": kwargs.pop("guard_margin", self.guard_margin),
                 "guard_tokens": kwargs.pop("guard_tokens", self.guard_tokens),
+                "guard_at": kwargs.pop("guard_at", self.guard_at),
                 "stop": list(stop) if stop else (list(self.stop) if self.stop else None)}
         if strategy == self.strategy:
             opts.update(self.model_kwargs)
@@ -477,7 +481,7 @@ class ChatKVFuse(BaseChatModel):
         if kwargs:
             raise TypeError(f"ChatKVFuse got unexpected keyword arguments {sorted(kwargs)}; per call it takes "
                             "documents, strategy, recompute_ratio, max_tokens, temperature, top_p, seed, timeout, "
-                            "guard_margin, guard_tokens, response_format and stop")
+                            "guard_margin, guard_tokens, guard_at, response_format and stop")
         seeds = [seed if seed is None else seed + i for i in range(self.n)]
         chat = messages_to_chat(messages)
         call = _Call(messages=chat, question=None, docs=docs, opts=opts, timeout=timeout,

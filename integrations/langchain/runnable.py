@@ -24,7 +24,7 @@ a chat-model call: `UsageMetadataCallbackHandler` counts its tokens (cache reads
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator, Mapping
-from typing import Any, Union
+from typing import Any, Literal, Union
 
 from langchain_core.callbacks import AsyncCallbackManagerForChainRun, CallbackManagerForChainRun
 from langchain_core.messages import AIMessage
@@ -74,6 +74,7 @@ class FusionRunnable(RunnableSerializable[FusionInput, dict[str, Any]]):
     timeout: float | None = Field(default=None, gt=0)
     guard_margin: float | None = Field(default=None, ge=0, allow_inf_nan=False)
     guard_tokens: int | None = Field(default=None, ge=1)
+    guard_at: Literal["answer", "probe"] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -122,7 +123,7 @@ class FusionRunnable(RunnableSerializable[FusionInput, dict[str, Any]]):
         return ChatKVFuse(engine=self.engine, strategy=opts["strategy"], recompute_ratio=opts["recompute_ratio"],
                           max_tokens=opts["max_new_tokens"], temperature=opts["temperature"], top_p=opts["top_p"],
                           seed=opts["seed"], stop=stop, timeout=opts["timeout"], guard_margin=opts["guard_margin"],
-                          guard_tokens=opts["guard_tokens"])
+                          guard_tokens=opts["guard_tokens"], guard_at=opts["guard_at"])
 
     @staticmethod
     def _output(question: str, docs: list[Any], message: AIMessage) -> dict[str, Any]:

@@ -13,7 +13,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from llama_index.core.base.llms.generic_utils import messages_to_prompt as generic_messages_to_prompt
 from llama_index.core.base.llms.types import (
@@ -49,7 +49,7 @@ _warned: set[str] = set()  # one-time warnings already given (tests may clear it
 
 #: Per-call generation keywords (besides `documents`); `max_new_tokens` is accepted as another name of `max_tokens`.
 CALL_OPTIONS = ("strategy", "recompute_ratio", "max_tokens", "temperature", "top_p", "seed", "stop", "guard_margin",
-                "guard_tokens")
+                "guard_tokens", "guard_at")
 _ALIASES = {"max_new_tokens": "max_tokens"}
 _ROLES = {MessageRole.SYSTEM: "system", MessageRole.DEVELOPER: "system", MessageRole.USER: "user",
           MessageRole.ASSISTANT: "assistant", MessageRole.CHATBOT: "assistant", MessageRole.MODEL: "assistant"}
@@ -232,6 +232,9 @@ class FusionLLM(CustomLLM):
         "0: none, None: the engine's default)."))
     guard_tokens: int | None = Field(default=None, ge=1, description=(
         "How many of the answer's first tokens the guard checks (None: every token)."))
+    guard_at: Literal["answer", "probe"] | None = Field(default=None, description=(
+        "Where the guard reads its gap: the fused answer's tokens (answer) or, before the fused prefill, the "
+        "question probe of a query-aware strategy (probe; GenerationOptions.guard_at; None: the engine's default)."))
     generate_kwargs: dict[str, Any] = Field(default_factory=dict,
                                             description="More generation options (validated at construction).")
 

@@ -2,7 +2,8 @@
 
 Fields OpenAI defines but the engine cannot honour are refused with a 400 naming them (never silently ignored
 when they would change the answer); fields that do not change the answer (`user`, `store`, `metadata`, ...) are
-accepted and ignored. kvfuse's own fields: `documents`, `strategy`, `recompute_ratio`, `guard_margin`, `guard_tokens`, and with strategy "auto"
+accepted and ignored. kvfuse's own fields: `documents`, `strategy`, `recompute_ratio`, `guard_margin`, `guard_tokens`, `guard_at`, and
+with strategy "auto"
 `target_fidelity` or `ttft_budget_s`.
 """
 from __future__ import annotations
@@ -53,6 +54,7 @@ class _Request(BaseModel):
     ttft_budget_s: float | None = None  # with strategy "auto"
     guard_margin: float | None = None  # near-ties on the fused path hand the answer to full prefill
     guard_tokens: int | None = None  # ... checked on the answer's first this many tokens
+    guard_at: str | None = None  # ... read on the answer ("answer") or the question probe ("probe")
 
     # fields that would change the answer and that this server does not implement
     _unsupported: tuple[str, ...] = ()
@@ -164,7 +166,7 @@ def engine_options(req: _Request, default_max_tokens: int) -> dict[str, Any]:
         opts["strategy"] = req.strategy
     if req.recompute_ratio is not None:
         opts["recompute_ratio"] = req.recompute_ratio
-    for name in ("target_fidelity", "ttft_budget_s", "guard_margin", "guard_tokens"):
+    for name in ("target_fidelity", "ttft_budget_s", "guard_margin", "guard_tokens", "guard_at"):
         if getattr(req, name) is not None:
             opts[name] = getattr(req, name)
     return opts

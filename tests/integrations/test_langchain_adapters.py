@@ -249,6 +249,14 @@ def test_the_guard_is_a_setting_and_a_per_call_option(tiny_engine):
     assert chain.invoke({"question": "Q?", "documents": DOCS})["kvfuse"]["strategy"] == "reuse"
     once = chain.invoke({"question": "Q?", "documents": DOCS}, guard_margin=1e9, guard_tokens=1)
     assert once["kvfuse"]["extra"]["guard"]["escalated_at"] == 0
+    probed = ChatKVFuse(engine=tiny_engine, max_tokens=4, strategy="infoflow", guard_margin=1e9, guard_at="probe")
+    msg = probed.invoke("Q?", documents=DOCS)
+    assert msg.text == full.text and msg.response_metadata["kvfuse"]["extra"]["guard"]["at"] == "probe"
+    infoflow = FusionRunnable(tiny_engine, strategy="infoflow", max_new_tokens=4)
+    out = infoflow.invoke({"question": "Q?", "documents": DOCS}, guard_margin=1e9, guard_at="probe")
+    assert out["kvfuse"]["strategy"] == "full" and out["kvfuse"]["extra"]["guard"]["at"] == "probe"
+    with pytest.raises(ValueError):
+        ChatKVFuse(engine=tiny_engine, guard_at="before")
     for bad in (-1, float("nan"), float("inf")):
         with pytest.raises(ValueError):
             ChatKVFuse(engine=tiny_engine, guard_margin=bad)

@@ -315,6 +315,14 @@ def test_the_guard_is_a_setting_and_a_per_call_option(tiny_engine):
     assert plain.complete("Q?", documents=_nodes()).additional_kwargs["strategy"] == "reuse"
     once = plain.complete("Q?", documents=_nodes(), guard_margin=1e9, guard_tokens=1)
     assert once.additional_kwargs["extra"]["guard"]["escalated_at"] == 0
+    probed = FusionLLM(engine=tiny_engine, max_new_tokens=4, strategy="infoflow", guard_margin=1e9, guard_at="probe")
+    out = probed.complete("Q?", documents=_nodes())
+    assert out.text == full.text and out.additional_kwargs["extra"]["guard"]["at"] == "probe"
+    per_call = FusionLLM(engine=tiny_engine, max_new_tokens=4, strategy="prophetkv").complete(
+        "Q?", documents=_nodes(), guard_margin=1e9, guard_at="probe")
+    assert per_call.additional_kwargs["extra"]["guard"]["at"] == "probe"
+    with pytest.raises(ValueError):
+        FusionLLM(engine=tiny_engine, guard_at="before")
     for bad in (-1, float("nan"), float("inf")):
         with pytest.raises(ValueError):
             FusionLLM(engine=tiny_engine, guard_margin=bad)

@@ -40,3 +40,17 @@ def test_a_guarded_request_is_answered_by_full_prefill_and_says_so(start_server,
     remote = RemoteEngine(f"{srv.url}/v1", api_key=KEY, model=srv.model)
     res = remote.generate(QUESTION, docs, strategy="reuse", guard_margin=1e8, max_new_tokens=8, temperature=0.0)
     assert res.text == full.text and res.extra["guard"]["margin_nats"] == 1e8
+    # the guard read at the question probe (guard_at "probe"): a query-aware strategy hands over before its fused pass
+    probe = {"documents": docs, "strategy": "infoflow", "recompute_ratio": 0.3, "guard_at": "probe"}
+    r = client.completions.create(model=srv.model, prompt=QUESTION, max_tokens=8, temperature=0, extra_body=probe)
+    ext = r.model_extra["kvfuse"]
+    assert ext["strategy"] == "full" and ext["guard"]["at"] == "probe" and r.choices[0].text == full.text
+    with pytest.raises(openai.BadRequestError, match="guard_at"):
+        client.completions.create(model=srv.model, prompt=QUESTION, max_tokens=8, temperature=0,
+                                  extra_body={**probe, "guard_at": "before"})
+    with pytest.raises(openai.BadRequestError, match="runs none"):
+        client.completions.create(model=srv.model, prompt=QUESTION, max_tokens=8, temperature=0,
+                                  extra_body={**probe, "strategy": "cacheblend"})
+    res = remote.generate(QUESTION, docs, strategy="prophetkv", recompute_ratio=0.3, guard_margin=1e8,
+                          guard_at="probe", max_new_tokens=8, temperature=0.0)
+    assert res.text == full.text and res.extra["guard"]["at"] == "probe"
