@@ -352,11 +352,13 @@ def rel_ttft_from(source: str) -> dict[tuple[str, float], float]:
 
 def build_front(quality: str | Path, rel: Mapping[str, str | Sequence[str]], *, model: str, adapter: str,
                 default: tuple[str, float], datasets: list[str] | None = None,
-                guarded: str | Path | None = None, probe_share: Mapping[str, float] | None = None) -> Front:
+                guarded: str | Path | Sequence[str | Path] | None = None,
+                probe_share: Mapping[str, float] | None = None) -> Front:
     """A front: fidelity and KL from one eval summary, relative TTFT per device type from `rel`
     ({device type: source or sources}, see `rel_ttft_from`; with several, a point takes its figure from the first
     source that measured it). A point without a relative TTFT for a device is not used there. First-token-guarded
-    and probe-guarded points come from the `guarded` summary (default: `quality`), see `guarded_from_eval`.
+    and probe-guarded points come from the `guarded` summary or summaries (default: `quality`; with several, a
+    point takes its figures from the first that measured it), see `guarded_from_eval`.
 
     A guarded point's relative TTFT is derived from its unguarded one, `base`, and the share `s` of answers handed
     over: after the fused prefill (guard_at "answer") a hand-over adds a full prefill, `base + s`; at the probe it
@@ -379,11 +381,16 @@ def build_front(quality: str | Path, rel: Mapping[str, str | Sequence[str]], *, 
             return base + share
         return (1 - share) * base + share * (shares.get(dev, 1.0) * base + 1)
 
+    summaries = [guarded or quality] if isinstance(guarded or quality, (str, Path)) else list(guarded)
+    measured: dict = {}
+    for path in reversed(summaries):  # the first summary that measured a point wins
+        measured.update(guarded_from_eval(path, datasets))
     points += tuple(FrontPoint(s, r, fid, kl, {dev: guarded_rel(m[(s, r)], share, at, dev)
                                                for dev, m in rels.items() if (s, r) in m},
                                guard=g, guard_tokens=1 if at == "answer" else None, guard_at=at)
-                    for (s, r, g, at), (fid, kl, share) in guarded_from_eval(guarded or quality, datasets).items())
-    source = f"fidelity, KL: {quality}" + (f" (first-token guards: {guarded})" if guarded else "") + \
+                    for (s, r, g, at), (fid, kl, share) in sorted(measured.items()))
+    guards_src = " and ".join(str(p) for p in summaries) if guarded else ""
+    source = f"fidelity, KL: {quality}" + (f" (guarded points: {guards_src})" if guarded else "") + \
         "; relative TTFT: " + ", ".join(
         f"{d} {' then '.join(srcs)}" for d, srcs in sources.items())
     return Front(model, adapter, points, _strategy_key(*default), source)

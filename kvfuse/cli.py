@@ -788,9 +788,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--adapter", default="none", help="the adapter it was measured with: none, packaged, a "
                                                      ".safetensors file or a 16-hex digest prefix")
     p.add_argument("--datasets", default="", help="comma list of datasets to average over (default: all)")
-    p.add_argument("--guarded", default=None, help="a kvfuse eval summary whose first-token-guarded runs "
-                   "('+guard<M>/1', from eval --guard M --guard-tokens 1) become points of their own (default: "
-                   "those of --quality)")
+    p.add_argument("--guarded", action="append", default=None,
+                   help="a kvfuse eval summary whose first-token-guarded runs ('+guard<M>/1', from eval --guard M "
+                        "--guard-tokens 1) and probe-guarded runs ('+probeguard<M>', from eval --guard M --guard-at "
+                        "probe) become points of their own; repeatable (default: those of --quality)")
     p.add_argument("--probe-share", action="append", dest="probe_share", metavar="DEVICE=SHARE",
                    help="the question probe's share of a probing strategy's TTFT on DEVICE, for the TTFT of points "
                         "guarded at the probe ('+probeguard<M>', from eval --guard M --guard-at probe); repeatable; "
