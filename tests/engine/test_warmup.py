@@ -180,8 +180,8 @@ def test_each_planned_request_lands_in_its_bucket_in_the_engine_itself(pool_engi
     met = []
     plan = type(lg).plan
 
-    def spy(self, *args):
-        h = plan(self, *args)
+    def spy(self, *args, **kwargs):
+        h = plan(self, *args, **kwargs)
         if h is not None:
             met.append((h.nb, h.mb, h.kb))
         return h
