@@ -277,7 +277,8 @@ CUDA_REL = "cuda=docs/gpu/ttft_ratios_05b.csv:qwen05b:8192"
 
 
 @pytest.mark.parametrize("adapter, quality, guarded, rel, name", [
-    ("packaged", "docs/quality/adapter_gpu/ratios_summary.csv", "docs/quality/guard/summary60.csv",
+    ("packaged", "docs/quality/adapter_gpu/ratios_summary.csv",
+     ["docs/quality/guard/summary60.csv", "docs/quality/guard/probe60/summary.csv"],
      ["cpu=docs/quality/q60/summary.csv", "cpu=docs/quality/sweep20/summary.csv", CUDA_REL], "qwen2.5-coder-0.5b.json"),
     ("none", "docs/quality/q60/summary.csv", None, ["cpu=docs/quality/q60/summary.csv", CUDA_REL],
      "qwen2.5-coder-0.5b.none.json")])
@@ -290,7 +291,9 @@ def test_the_shipped_fronts_are_rebuilt_by_kvfuse_front_from_committed_measureme
     root = Path(__file__).resolve().parents[2]
     out = tmp_path / name
     rels = [a for r in rel for a in ("--rel", r.replace("=", f"={root}/", 1))]
-    more = ["--guarded", str(root / guarded)] if guarded else []
+    more = [a for g in guarded or [] for a in ("--guarded", str(root / g))]
+    if guarded:  # the probe's share of infoflow's TTFT: the CPU records (guard.md), the H200 (docs/gpu/README.md)
+        more += ["--probe-share", "cpu=0.25", "--probe-share", "cuda=0.18"]
     rc = main(["front", "--quality", str(root / quality), *rels, *more,
                "--model", "qwen2.5-coder-0.5b", "--adapter", adapter, "--out", str(out)])
     assert rc == 0
@@ -298,6 +301,7 @@ def test_the_shipped_fronts_are_rebuilt_by_kvfuse_front_from_committed_measureme
     assert (built.model, built.adapter, built.points, built.default) == (
         shipped.model, shipped.adapter, shipped.points, shipped.default)
     assert any(p.guard for p in shipped.points) == bool(guarded)  # the shipped adapter's front has guarded points
+    assert any(p.guard_at == "probe" for p in shipped.points) == bool(guarded)
 
 
 def test_every_served_point_on_the_front_feeds_the_rate(engine):
