@@ -387,7 +387,8 @@ def cmd_ask(args) -> int:
         print(delta, end="", flush=True)
     r = stream.result
     g = r.extra.get("guard")
-    guard = "" if g is None else f", guard: {g['requested']} handed to full prefill at token {g['escalated_at']}"
+    guard = "" if g is None else (f", guard: {g['requested']} handed to full prefill at token {g['escalated_at']}"
+                                  + (" (read at the question probe)" if g.get("at") == "probe" else ""))
     print(f"\n\n[{r.strategy} ttft {r.ttft_s * 1000:.0f} ms, recomputed {r.recomputed_tokens}/{r.doc_tokens} doc "
           f"tokens, cache hits {r.cache_hits} misses {r.cache_misses}{guard}]", file=sys.stderr)
     return 0
@@ -664,6 +665,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--guard-margin", type=float, default=None, metavar="NATS",
                    help="hand the answer to full prefill at a token whose two most likely choices are less than NATS "
                         "apart on the fused path (GenerationOptions.guard_margin; default: none)")
+    p.add_argument("--guard-at", default=None, choices=["answer", "probe"],
+                   help="where that guard reads its gap: the fused answer's tokens (answer, the default) or the "
+                        "question probe of infoflow, prophetkv or qcfuse, before the fused prefill (probe)")
     _add_model_args(p)
     _add_gen_args(p)
     p.set_defaults(func=cmd_ask)

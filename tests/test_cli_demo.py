@@ -47,3 +47,8 @@ def test_ask_takes_a_guard(tiny_model, tmp_path, capsys):
     assert "reuse handed to full prefill at token 0" in capsys.readouterr().err
     assert cli.main([*base, "--guard-margin", "-1"]) != 0
     assert "guard_margin" in capsys.readouterr().err
+    probe = [a if a != "reuse" else "infoflow" for a in base]
+    assert cli.main([*probe, "--guard-margin", "1e9", "--guard-at", "probe"]) == 0
+    assert "infoflow handed to full prefill at token 0 (read at the question probe)" in capsys.readouterr().err
+    assert cli.main([*base, "--guard-margin", "1", "--guard-at", "probe"]) != 0  # reuse runs no probe
+    assert "runs none" in capsys.readouterr().err
