@@ -104,6 +104,9 @@ def simulate(margins: Path, records: Path, strategy: str, pre: list[float], fuse
           + " ".join(f"{x:.2f}" for x in dep))
     print(f"reuse's gap where the first token agrees: median {agree[len(agree) // 2]:.2f}, "
           f"below 1 nat for {100 * sum(x < 1 for x in agree) / len(agree):.0f}%")
+    share = [v[base]["selection_s"] / v[base]["ttft_s"] for _, v in ex if v[base]["ttft_s"] > 0]
+    print(f"{base}'s probe share of its TTFT in these records (selection_s / ttft_s, mean): "
+          f"{sum(share) / len(share):.3f}  (kvfuse front --probe-share cpu=...)")
 
 
 def main() -> None:

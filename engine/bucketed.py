@@ -201,7 +201,14 @@ class ProbeGuardTripped(Exception):
         self.margin = margin
 
 
-def _check_probe_guard(gap: Tensor | None, guard: float | None) -> None:
+def first_token_gap(dec, x_last: Tensor) -> Tensor:
+    """[1] the top-2 logit gap (nats, fp32) of the final hidden state `x_last` [1, hidden]; no host read (graph-safe).
+    Both prefill paths' probe guards compute it here."""
+    top = dec.logits(x_last)[0].float().topk(2).values
+    return (top[0] - top[1]).view(1)
+
+
+def check_probe_guard(gap: Tensor | None, guard: float | None) -> None:
     """Reads the probe's gap on the host (the one synchronisation the probe guard costs) and trips below `guard`."""
     if guard is None or gap is None:
         return
@@ -374,8 +381,7 @@ class LayoutGraphs:
         if not h.gap:
             return chosen
         last = (valid.sum() - 1).view(1)  # the last prompt row: the last real probed row (padding sorts last)
-        top = dec.logits(x.index_select(0, last))[0].float().topk(2).values
-        return chosen, (top[0] - top[1]).view(1)
+        return chosen, first_token_gap(dec, x.index_select(0, last))
 
     @staticmethod
     def _top(scores: Tensor, cand: Tensor, inp: _Inputs, kb: int) -> Tensor:
@@ -476,7 +482,7 @@ class LayoutGraphs:
                 clock.start()
                 sel_graph.replay()
                 clock.stop()
-                _check_probe_guard(sel_graph.gap, probe_guard)
+                check_probe_guard(sel_graph.gap, probe_guard)
             main_graph.replay()
             self.replays += 1
             logits, fresh, act, recomputed = out
@@ -489,7 +495,7 @@ class LayoutGraphs:
                 chosen, gap = got if h.gap else (got, None)
                 inp.chosen.copy_(chosen)
                 clock.stop()
-                _check_probe_guard(gap, probe_guard)
+                check_probe_guard(gap, probe_guard)
             logits, fresh, act, recomputed = self._body(h, inp, strategy, ratio, pool, "main")
         return self._outputs(h, inp, logits.clone(), fresh, act, recomputed)
 

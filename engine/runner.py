@@ -26,7 +26,7 @@ from ..kernels.block_sparse import block_sparse_attention
 from ..kernels.causal import causal_attention
 from ..kernels.rope import apply_rope
 from ..kernels.scatter import scatter_rows
-from .bucketed import LayoutGraphs, ProbeGuardTripped
+from .bucketed import LayoutGraphs, check_probe_guard, first_token_gap
 from .cudagraph import capture_graph
 from .fusion.base import SelectContext, Strategy, signature
 from .models.base import Decoder
@@ -276,10 +276,7 @@ class Runner:
             ctx.question_attention = probe.probes
             clock.stop()
             if probe_guard is not None:  # the probe ran to the last layer: its last row is the last prompt row
-                top = self.dec.logits(probe.h[-1:])[0].float().topk(2).values
-                margin = float(top[0] - top[1])
-                if margin < probe_guard:
-                    raise ProbeGuardTripped(margin)
+                check_probe_guard(first_token_gap(self.dec, probe.h[-1:]), probe_guard)
 
         clock.start()
         chosen = (strategy.initial(ctx) if cached else candidates).to(ids.device)
