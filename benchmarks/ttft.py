@@ -229,10 +229,15 @@ def main() -> int:
                          "EngineConfig.cold_documents 'compute' (the default: each computed alone before fusing) or "
                          "'auto' (full prefill when that is predicted to cost less; the documents' caches are built between "
                          "requests, untimed)")
+    ap.add_argument("--probe-guard", default="",
+                    help="comma list of 'pass' and/or 'trip': also time each probing strategy (infoflow, prophetkv, "
+                         "qcfuse) with guard_at='probe' at a margin no gap falls under ('pass': the probe runs on to the "
+                         "last layer, one host read, then the fused pass) and at one every gap falls under ('trip': "
+                         "the probe, then full prefill answers). A guarded share s of trips costs (1 - s) pass + s trip")
     args = ap.parse_args()
 
     import transformers
-    from kvfuse.engine.fusion import available
+    from kvfuse.engine.fusion import available, probes
 
     dev = args.device
     info = {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version()}
@@ -305,16 +310,24 @@ def main() -> int:
                 steps = [int(x) for x in args.row_steps.split(",") if x] or [None]
                 engine_steps = engine.runner.layout.row_steps if engine.runner.layout is not None else None
                 ratios = [float(x) for x in args.ratios.split(",") if x] or [args.ratio]
-                runs = [(s_, lay, st, ra) for s_ in names
+                guards = [None] + [g for g in args.probe_guard.split(",") if g]
+                if set(guards) - {None, "pass", "trip"}:
+                    ap.error(f"--probe-guard takes pass and/or trip, not {args.probe_guard!r}")
+                runs = [(s_, lay, st, ra, gu) for s_ in names
                         for ra in (ratios[:1] if s_ in ("full", "reuse", "sift") else ratios)
                         for lay in args.layouts.split(",")
-                        for st in (steps if lay in ("first-sight", "mixed", "mixed-warm") else [None])]
-                for name, layout, row_steps, ratio in runs:
+                        for st in (steps if lay in ("first-sight", "mixed", "mixed-warm") else [None])
+                        for gu in (guards if probes(s_) else [None])]
+                for name, layout, row_steps, ratio, guard in runs:
                     if engine.runner.layout is not None:
                         engine.runner.layout.row_steps = row_steps or engine_steps
                     fresh = iter(range(1_000_000))
 
-                    def call(name=name, ratio=ratio, layout=layout):
+                    # a gap is >= 0, so margin 0 never trips; no top-2 gap of a bf16 logit row reaches 1e9
+                    guard_kw = ({} if guard is None else
+                                {"guard_at": "probe", "guard_margin": 1e-9 if guard == "pass" else 1e9})
+
+                    def call(name=name, ratio=ratio, layout=layout, guard_kw=guard_kw):
                         qi, ds = q, docs
                         if layout == "cold-bucket" and engine.runner.layout is not None:
                             engine.runner.layout.reset()  # forget every bucket's graph: run eagerly
@@ -346,7 +359,7 @@ def main() -> int:
                         lg_ = engine.runner.layout
                         before = (lg_.replays, lg_.captures, lg_.eager_runs) if lg_ is not None else ()
                         r = engine.generate(question_ids=qi, docs=ds, strategy=name, recompute_ratio=ratio,
-                                            max_new_tokens=1)
+                                            max_new_tokens=1, **guard_kw)
                         call.last = r
                         if args.verbose:
                             after = (lg_.replays, lg_.captures, lg_.eager_runs) if lg_ is not None else ()
@@ -380,6 +393,8 @@ def main() -> int:
                     label = (name if name in ("full", "reuse", "sift") else f"{name}@{ratio:.0%}") + f" {layout}"
                     if row_steps is not None:
                         label += f" N/{row_steps}"
+                    if guard is not None:
+                        label += f" +probeguard {guard}"
                     if r.strategy != name:  # cold documents answered by full prefill
                         label += f" ({r.strategy})"
                     lg = engine.runner.layout

@@ -201,6 +201,12 @@ def parse_spec(spec: str) -> tuple[str, dict]:
     return name.strip(), options
 
 
+def probes(spec: str | Strategy) -> bool:
+    """Whether strategy `spec` runs a question probe (the pass `guard_at="probe"` reads its gap from). Every
+    built-in strategy's answer is the same at any layer count; 24 stands for one."""
+    return bool(make_strategy(spec).probe_layers(24))
+
+
 def make_strategy(name: str | Strategy, **options) -> Strategy:
     """A strategy instance by name or spec (`parse_spec`; options go to its constructor, keywords over the
     spec's), or the instance given."""

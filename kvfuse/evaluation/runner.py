@@ -164,9 +164,9 @@ def build_configs(strategies: Sequence[str], ratios: Sequence[float], guards: Se
 def _probes(spec: str) -> bool:
     """Whether strategy `spec` runs a question probe (what guard_at="probe" reads)."""
     try:
-        from kvfuse.engine.fusion import make_strategy
+        from kvfuse.engine.fusion import probes
 
-        return bool(make_strategy(spec).probe_layers(24))
+        return probes(spec)
     except (ImportError, TypeError, ValueError):
         return False
 
