@@ -190,7 +190,7 @@ def _span_map(start: int, n_tokens: int, block_loc: int, block_abs: int) -> tupl
 
 
 def sparse_plan(n: int, n_layers: int, docs: list[tuple[int, int, SiftIndex | None]], block: int,
-                device) -> tuple[list[Tensor], list[Tensor], float]:
+                device, window: int = 0) -> tuple[list[Tensor], list[Tensor], float]:
     """Per layer (key-block lists [NB, M] int32, counts [NB] int32) for a prompt of `n` tokens; and the density
     (share of the causal block pairs attended, averaged over layers).
 
@@ -203,6 +203,8 @@ def sparse_plan(n: int, n_layers: int, docs: list[tuple[int, int, SiftIndex | No
             document) is seen by every query and the tail (rows after the last) sees everything; glue rows between
             documents (titles) get the local window only.
         block: the kernel's block size.
+        window: a dense local window, in tokens: every query block also sees the key blocks that hold the `window`
+            tokens before its first row (0: its own block and the one before only).
     """
     device = torch.device(device)
     nb = -(-n // block)
@@ -211,6 +213,10 @@ def sparse_plan(n: int, n_layers: int, docs: list[tuple[int, int, SiftIndex | No
     last = max((e for _, e, _ in docs), default=n)
     m = torch.eye(nb, dtype=torch.bool, device=device)  # the local window: a block and the one before
     m[1:, :-1] |= torch.eye(nb - 1, dtype=torch.bool, device=device)
+    reach = -(-int(window) // block)  # key blocks back from a query block that the window touches
+    if reach > 1:
+        m |= torch.tril(torch.ones(nb, nb, dtype=torch.bool, device=device), diagonal=-2) & ~torch.tril(
+            torch.ones(nb, nb, dtype=torch.bool, device=device), diagonal=-reach - 1)
     if first > 0:  # the prefix (system prompt, attention sink): seen by every query; its own rows attend densely
         m[:, :(first - 1) // block + 1] = True
         m[:(first - 1) // block + 1] = True

@@ -20,7 +20,7 @@ class Sift(Strategy):
     ON_MISS = ("dense", "compute")
 
     def __init__(self, block: int = 16, local_mass: float = 0.8, cross_mass: float = 0.5,
-                 kernel_block: int | None = None, on_miss: str = "dense") -> None:
+                 kernel_block: int | None = None, on_miss: str = "dense", window: int = 0) -> None:
         """
         Args:
             block: tokens per block of the index (document-local).
@@ -30,12 +30,17 @@ class Sift(Strategy):
                 prefill's cost and answer, and its index is built when the engine is next idle (counted in
                 `extra["sift"]["index_deferred"]`), so a new document never waits for its index. "compute": the
                 index is built before the prefill (one extra pass over the document on the request's path).
+            window: a dense local window in tokens (0: a query's own kernel block and the one before only): every
+                query also attends to the `window` tokens before its block, whatever the marks say. Applied when
+                the request's block lists are built, so indexes do not depend on it.
         """
         if on_miss not in self.ON_MISS:
             raise ValueError(f"on_miss must be one of {self.ON_MISS}, got {on_miss!r}")
         for name, x in (("local_mass", local_mass), ("cross_mass", cross_mass)):
             if not 0.0 < float(x) <= 1.0:
                 raise ValueError(f"{name} must be in (0, 1], got {x}")
+        if int(window) < 0:
+            raise ValueError(f"window must be >= 0 tokens, got {window}")
         if int(block) < 1:
             raise ValueError(f"block must be >= 1, got {block}")
         if kernel_block is not None and (int(kernel_block) < 16 or int(kernel_block) & (int(kernel_block) - 1)):
@@ -45,6 +50,7 @@ class Sift(Strategy):
         self.cross_mass = float(cross_mass)
         self.kernel_block = None if kernel_block is None else int(kernel_block)
         self.on_miss = on_miss
+        self.window = int(window)
         self.sparse_plan = None  # set by the engine per request: (lists per layer, counts per layer, kernel block)
         self.report: dict = {}
 

@@ -32,6 +32,12 @@ def test_full_marks_equal_full_prefill(tiny_engine):
     low = engine.next_token_logprobs(QUESTION, docs, answer, strategy=sparse)
     assert sparse.report["density"] < 1.0
     assert (low - full).abs().max() > 1e-3  # attention really dropped: the comparison above can fail
+    # the same sparse marks with a dense window over the whole prompt: every causal pair again, full's numbers
+    wide = make_strategy("sift", block=4, local_mass=0.5, cross_mass=0.3, kernel_block=16, on_miss="compute",
+                         window=100_000)
+    torch.testing.assert_close(engine.next_token_logprobs(QUESTION, docs, answer, strategy=wide), full,
+                               atol=1e-4, rtol=0)
+    assert wide.report["density"] == 1.0
 
 
 def test_generation_reports_indexes_and_reuses_them(tiny_engine):
@@ -104,6 +110,29 @@ def test_block_lists_follow_the_index():
     # no index: that document's rows attend densely
     lists, counts, _ = sparse_plan(40, 1, [(4, 20, None), (20, 36, b)], 4, "cpu")
     assert counts[0][1:5].tolist() == [2, 3, 4, 5]
+
+
+def _mask(lists, counts, nb):
+    m = torch.zeros(nb, nb, dtype=torch.bool)
+    for qb in range(nb):
+        m[qb, lists[0][qb, :counts[0][qb]]] = True
+    return m
+
+
+def test_a_dense_local_window_adds_exactly_the_blocks_it_reaches():
+    # the same prompt as above: a window of 12 tokens (3 kernel blocks of 4) back from each query block's first row
+    a = _index(1, 4, 4, 16, {0: [0], 1: [1], 2: [0, 2], 3: [3]}, [1])
+    b = _index(1, 4, 4, 16, {0: [0], 1: [1], 2: [2], 3: [1, 3]}, [0])
+    base = _mask(*sparse_plan(40, 1, [(4, 20, a), (20, 36, b)], 4, "cpu")[:2], 10)
+    for window, reach in ((0, 1), (4, 1), (5, 2), (12, 3)):
+        lists, counts, density = sparse_plan(40, 1, [(4, 20, a), (20, 36, b)], 4, "cpu", window=window)
+        m = _mask(lists, counts, 10)
+        band = torch.tril(torch.ones(10, 10, dtype=torch.bool)) & ~torch.tril(torch.ones(10, 10, dtype=torch.bool),
+                                                                             diagonal=-reach - 1)
+        assert torch.equal(m, base | band), (window, m.int())
+    assert density > sparse_plan(40, 1, [(4, 20, a), (20, 36, b)], 4, "cpu")[2]
+    with pytest.raises(ValueError, match="window"):
+        make_strategy("sift:window=-1")
 
 
 def test_index_bytes_round_trip_and_refuse_damage():
