@@ -189,7 +189,12 @@ def offline_data(name: str) -> bool:
     anchors): the benchmark precomputes it, untimed, as a deployment would."""
     from kvfuse.engine.fusion import make_strategy
 
-    return name == "sift" or bool(getattr(make_strategy(name), "needs_extras", ()))
+    return spec_name(name) == "sift" or bool(getattr(make_strategy(name), "needs_extras", ()))
+
+
+def spec_name(spec: str) -> str:
+    """A strategy spec's registered name (`sift:window=256` -> `sift`)."""
+    return spec.split(":", 1)[0]
 
 
 def main() -> int:
@@ -254,7 +259,7 @@ def main() -> int:
         tflops, gbs = 1.0, 50.0
     info.update(gemm_tflops=round(tflops), copy_gbs=round(gbs), cuda_graphs=bool(args.cuda_graphs))
     print(json.dumps(info), flush=True)
-    strategies = [s for s in args.strategies.split(",") if s in available()]
+    strategies = [s for s in args.strategies.split(",") if spec_name(s) in available()]  # specs: name:option=value
     rows = []
     contexts = [int(x) for x in args.contexts.split(",")]
 
@@ -297,7 +302,7 @@ def main() -> int:
                       f"mean {hf_mixed_mean * 1e3:.2f} ms", flush=True)
             for tier in args.tiers.split(","):
                 # sift computes every row (its prompt needs arena rows beside the documents' cached ones)
-                pool = (2 * n if "sift" in strategies else n) + 1024
+                pool = (2 * n if any(spec_name(s) == "sift" for s in strategies) else n) + 1024
                 engine = make_engine(model, tier, pool_tokens=pool, scratch=n + 64,
                                      cuda_graphs=bool(args.cuda_graphs))
                 q, docs = request(engine, n, args.doc_tokens, args.question_tokens, vocab, seed=n)
@@ -306,7 +311,7 @@ def main() -> int:
                     if offline_data(s_):
                         engine.precompute(docs, strategy=s_)
                 names = strategies if tier == "pool" else [s for s in args.host_strategies.split(",")
-                                                             if s in available()]
+                                                             if spec_name(s) in available()]
                 steps = [int(x) for x in args.row_steps.split(",") if x] or [None]
                 engine_steps = engine.runner.layout.row_steps if engine.runner.layout is not None else None
                 ratios = [float(x) for x in args.ratios.split(",") if x] or [args.ratio]
@@ -314,7 +319,7 @@ def main() -> int:
                 if set(guards) - {None, "pass", "trip"}:
                     ap.error(f"--probe-guard takes pass and/or trip, not {args.probe_guard!r}")
                 runs = [(s_, lay, st, ra, gu) for s_ in names
-                        for ra in (ratios[:1] if s_ in ("full", "reuse", "sift") else ratios)
+                        for ra in (ratios[:1] if spec_name(s_) in ("full", "reuse", "sift") else ratios)
                         for lay in args.layouts.split(",")
                         for st in (steps if lay in ("first-sight", "mixed", "mixed-warm") else [None])
                         for gu in (guards if probes(s_) else [None])]
@@ -388,14 +393,15 @@ def main() -> int:
                                      else (hf, hf))
                     r = call.last
                     fl = floors(model, r.prompt_tokens, r.recomputed_tokens, r.question_tokens, tflops, gbs)
-                    floor = (fl["full"] if name in ("full", "sift") else fl["reuse"] if name == "reuse"
+                    floor = (fl["full"] if spec_name(name) in ("full", "sift") else fl["reuse"] if name == "reuse"
                              else fl["fused"])  # sift computes every token (its attention is sparse)
-                    label = (name if name in ("full", "reuse", "sift") else f"{name}@{ratio:.0%}") + f" {layout}"
+                    label = name if spec_name(name) in ("full", "reuse", "sift") else f"{name}@{ratio:.0%}"
+                    label += f" {layout}"
                     if row_steps is not None:
                         label += f" N/{row_steps}"
                     if guard is not None:
                         label += f" +probeguard {guard}"
-                    if r.strategy != name:  # cold documents answered by full prefill
+                    if r.strategy != spec_name(name):  # cold documents answered by full prefill
                         label += f" ({r.strategy})"
                     lg = engine.runner.layout
                     graphs = (f"{lg.replays}/{lg.captures}/{lg.eager_runs}" if lg is not None else "-")
