@@ -211,12 +211,11 @@ def sparse_plan(n: int, n_layers: int, docs: list[tuple[int, int, SiftIndex | No
     tril = torch.tril(torch.ones(nb, nb, dtype=torch.bool, device=device))
     first = min((s for s, _, _ in docs), default=n)
     last = max((e for _, e, _ in docs), default=n)
-    m = torch.eye(nb, dtype=torch.bool, device=device)  # the local window: a block and the one before
-    m[1:, :-1] |= torch.eye(nb - 1, dtype=torch.bool, device=device)
-    reach = -(-int(window) // block)  # key blocks back from a query block that the window touches
-    if reach > 1:
-        m |= torch.tril(torch.ones(nb, nb, dtype=torch.bool, device=device), diagonal=-2) & ~torch.tril(
-            torch.ones(nb, nb, dtype=torch.bool, device=device), diagonal=-reach - 1)
+    # the local window: a block and the `reach` blocks before it (at least the one before)
+    reach = max(1, -(-int(window) // block))
+    back = torch.arange(nb, device=device)
+    back = back[:, None] - back[None, :]  # query block - key block
+    m = (back >= 0) & (back <= reach)
     if first > 0:  # the prefix (system prompt, attention sink): seen by every query; its own rows attend densely
         m[:, :(first - 1) // block + 1] = True
         m[:(first - 1) // block + 1] = True
