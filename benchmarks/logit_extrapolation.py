@@ -49,6 +49,12 @@ def _argmax(xs: list[float]) -> int:
     return max(range(len(xs)), key=xs.__getitem__)
 
 
+def _gap(xs: list[float]) -> float:
+    """The top-2 gap of one pass's log-probs (nats)."""
+    a, b = sorted(xs, reverse=True)[:2]
+    return a - b
+
+
 def report(path: Path, ks: list[float]) -> None:
     recs = [json.loads(x) for x in path.read_text().splitlines()]
     ref = "full@1.0"
@@ -75,6 +81,13 @@ def report(path: Path, ks: list[float]) -> None:
         for k in ks:
             line(f"infoflow @ 0.15 + {k:g} (infoflow @ 0.15 - {lo.replace('@', ' @ ')})",
                  lambda r, lo=lo, k=k: [a + k * (a - b) for a, b in zip(r["infoflow@0.15"], r[lo])])
+    print("\n| full's own top-2 gap (nats) | examples | infoflow 15% agrees | infoflow 30% agrees |\n|---|---:|---:|---:|")
+    for lo, hi in ((0, 0.25), (0.25, 0.5), (0.5, 1), (1, 2), (2, float("inf"))):
+        sel = [r for r in recs if lo <= _gap(r[ref]) < hi]
+        if sel:
+            agree = {k: sum(_argmax(r[k]) == _argmax(r[ref]) for r in sel) / len(sel)
+                     for k in ("infoflow@0.15", "infoflow@0.3")}
+            print(f"| {lo:g}-{hi:g} | {len(sel)} | {agree['infoflow@0.15']:.2f} | {agree['infoflow@0.3']:.2f} |")
 
 
 def main() -> int:
