@@ -331,7 +331,6 @@ class Runner:
         n = int(ids.numel())
         dev = ids.device
         check = set(strategy.check_layers(spec.n_layers)) if (cached and not probe_layers) else set()
-        frozen = strategy.probe_frozen(spec.n_layers) if probe_layers and not through_last else None
         last_layer = max(probe_layers) if probe_layers and not through_last else spec.n_layers - 1
         src = source or make_source([(seg.start, seg.end, seg.kv) for seg in cached], n,
                                     (spec.n_kv_heads, spec.head_dim), dec.dtype, dev)
@@ -363,9 +362,6 @@ class Runner:
                 continue
             kpool, vpool = src.layer(i)
             src.prefetch(i + 1, last_layer + 1)
-            if frozen is not None and i >= frozen and i not in probe_layers:
-                src.done_with(i)
-                continue
             q, k, v = project(i, h)
             if i in check:
                 clock.start()
@@ -412,9 +408,6 @@ class Runner:
                 full_rows = src.base_rows.clone()
                 full_rows[active] = src.scratch_rows[active]
                 probes[i] = attention_scores(qr, active, kpool, full_rows, kv_pos, cos, sin, spec.scale)
-            if frozen is not None and i >= frozen:  # a frozen probe: the state stays layer `frozen`'s input
-                src.done_with(i)
-                continue
             o = fused_attention(qr, active, kpool, vpool, rows, pos_all, cos, sin, spec.scale)
             h = finish(i, h, o)
             src.done_with(i)

@@ -128,13 +128,6 @@ class Strategy(ABC):
         """Layers at which the question probe records attention (empty: no probe)."""
         return ()
 
-    def probe_frozen(self, n_layers: int) -> int | None:
-        """Layer from which the probe stops advancing the question's state (None: it runs every layer up to its
-        deepest probe layer). From there, a probed layer's question queries are projected from the frozen state
-        (that layer's own norm and projections) and scored against its cached keys; no attention or MLP runs, so
-        the probe reads the weights of the layers below and of the probed layers' projections only."""
-        return None
-
     def probe_keys(self, ctx: SelectContext) -> Tensor | None:
         """Positions of cached keys the probed question attends to (None: all of them). The question rows
         are always added. Scores in `question_attention` still cover every key."""

@@ -38,7 +38,7 @@ class InfoFlow(Strategy):
     REFERENCE = "infoflow:window=0.55/0.65:rows=question"
 
     def __init__(self, layers=None, depth: float = 1 / 3, window=None, rows: str = "all", reorder: bool = False,
-                 order: str = "density", frozen: int = 0) -> None:
+                 order: str = "density") -> None:
         """
         Args:
             layers: explicit probe layers (negative counts from the end).
@@ -48,8 +48,6 @@ class InfoFlow(Strategy):
                 "question" (the question's own tokens, where the prompt marks them).
             reorder: move the documents the selection draws on most last, then score again.
             order: the reorder's key: "density" (selected / document length, the reference's) or "count".
-            frozen: > 0: the probe runs the first `frozen` layers only; deeper probe layers score queries projected
-                from that state (`Strategy.probe_frozen`). 0: off.
         """
         if not 0.0 < float(depth) <= 1.0:
             raise ValueError(f"depth must be in (0, 1], got {depth}")
@@ -68,11 +66,6 @@ class InfoFlow(Strategy):
         self.rows = rows
         self.reorder = bool(reorder)
         self.order = order
-        if int(frozen) < 0:
-            raise ValueError(f"frozen must be >= 0 layers, got {frozen}")
-        self.frozen = int(frozen)
-        if self.frozen:
-            self.layout_free = False  # the bucketed graphs' probe has no frozen mode: the eager path runs it
 
     @property
     def reorders_documents(self) -> bool:
@@ -84,9 +77,6 @@ class InfoFlow(Strategy):
         if self.window is not None:
             return window_layers(n_layers, *self.window)
         return deep_layers(n_layers, self.depth)
-
-    def probe_frozen(self, n_layers: int) -> int | None:
-        return self.frozen if 0 < self.frozen < n_layers else None
 
     def scores(self, ctx: SelectContext):
         """[C] score of each candidate: mean over probe layers of the L2 norm over the question rows."""
