@@ -925,7 +925,8 @@ class FusionEngine:
                         while len(self._index_backlog) > MAX_INDEX_BACKLOG:  # never idle: the oldest wait longest
                             self._index_backlog.popitem(last=False)
                 plan.append((sp.start, sp.end, idx))
-            lists, counts, density = sparse_plan(layout.n, n_layers, plan, block, self.device, window=strat.window)
+            lists, counts, density = sparse_plan(layout.n, n_layers, plan, block, self.device, window=strat.window,
+                                                  cross=strat.cross)
         return (lists, counts, block), {"index_hits": hits, "index_computed": computed, "index_carried": used,
                                         "index_rejected": rejected, "index_deferred": deferred,
                                         "density": round(density, 4), "kernel_block": block}

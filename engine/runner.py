@@ -31,6 +31,7 @@ from .cudagraph import capture_graph
 from .fusion.base import SelectContext, Strategy, signature
 from .models.base import Decoder
 from .piecewise import DenseGraphs
+from .sift import CrossPick
 from .sources import PooledSource, make_source, pool_rows
 from .store.entry import DocKV
 
@@ -354,8 +355,9 @@ class Runner:
                 c, s_ = cos[:n], sin[:n]
                 if sparse is not None:  # sift: each query block attends to its listed key blocks only
                     lists, counts, block = sparse
-                    o = block_sparse_attention(apply_rope(q, c, s_), apply_rope(k, c, s_), v, lists[i], counts[i],
-                                               block, spec.scale)
+                    qr, kr = apply_rope(q, c, s_), apply_rope(k, c, s_)
+                    li, ci = lists.layer(i, qr, kr) if isinstance(lists, CrossPick) else (lists[i], counts[i])
+                    o = block_sparse_attention(qr, kr, v, li, ci, block, spec.scale)
                 else:
                     o = causal_attention(apply_rope(q, c, s_), apply_rope(k, c, s_), v, spec.scale)
                 h = finish(i, h, o)

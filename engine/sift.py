@@ -39,7 +39,7 @@ from torch import Tensor
 
 from ..kernels.rope import apply_rope
 
-__all__ = ["SiftIndex", "IndexStore", "compute_index", "sparse_plan", "MAGIC"]
+__all__ = ["SiftIndex", "IndexStore", "compute_index", "sparse_plan", "CrossPick", "MAGIC"]
 
 MAGIC = b"KVFSIFT1"
 
@@ -189,24 +189,11 @@ def _span_map(start: int, n_tokens: int, block_loc: int, block_abs: int) -> tupl
     return b0, ((cols[None, :] >= first[:, None]) & (cols[None, :] <= last[:, None])).float()
 
 
-def sparse_plan(n: int, n_layers: int, docs: list[tuple[int, int, SiftIndex | None]], block: int,
-                device, window: int = 0) -> tuple[list[Tensor], list[Tensor], float]:
-    """Per layer (key-block lists [NB, M] int32, counts [NB] int32) for a prompt of `n` tokens; and the density
-    (share of the causal block pairs attended, averaged over layers).
-
-    Every layer is built at once on `device` ([n_layers, NB, NB] block masks; each document touches only the
-    square of kernel blocks it covers and the columns of its cross marks), with one host read at the end (the
-    lists' width and the density).
-
-    Args:
-        docs: (start, end, index or None) of each document in prompt order. The prefix (rows before the first
-            document) is seen by every query and the tail (rows after the last) sees everything; glue rows between
-            documents (titles) get the local window only.
-        block: the kernel's block size.
-        window: a dense local window, in tokens: every query block also sees the key blocks that hold the `window`
-            tokens before its first row (0: its own block and the one before only).
-    """
-    device = torch.device(device)
+def _masks(n: int, n_layers: int, docs: list[tuple[int, int, SiftIndex | None]], block: int, device,
+           window: int) -> tuple[Tensor, Tensor, Tensor]:
+    """([L, NB, NB] the block masks by the marks, [L, NB, NB] the same without the cross marks, [NB, NB] the
+    (query block, key block) pairs a cross mark may open: an earlier document's blocks, for the queries from that
+    document's last block on)."""
     nb = -(-n // block)
     tril = torch.tril(torch.ones(nb, nb, dtype=torch.bool, device=device))
     first = min((s for s, _, _ in docs), default=n)
@@ -222,6 +209,8 @@ def sparse_plan(n: int, n_layers: int, docs: list[tuple[int, int, SiftIndex | No
     if last < n:  # blocks with a tail row attend to everything before
         m[last // block:] = True
     m = m.unsqueeze(0).repeat(n_layers, 1, 1)
+    cross_m = torch.zeros_like(m)
+    reachable = torch.zeros(nb, nb, dtype=torch.bool, device=device)
     for s, e, idx in docs:
         qb0, qb1 = s // block, (e - 1) // block + 1
         if idx is None:  # no usable index: this document's rows attend densely
@@ -234,18 +223,93 @@ def sparse_plan(n: int, n_layers: int, docs: list[tuple[int, int, SiftIndex | No
         m[:, b0:b0 + w, b0:b0 + w] |= (pm.T @ local @ pm) > 0  # its own marked blocks, mapped to kernel blocks
         keys = (cross @ pm) > 0  # [L, w]
         # queries from the document's last block on (the later documents) see its cross-marked blocks
-        m[:, (e - 1) // block:, b0:b0 + w] |= keys[:, None, :]
+        cross_m[:, (e - 1) // block:, b0:b0 + w] |= keys[:, None, :]
+        reachable[(e - 1) // block:, b0:b0 + w] = True
     m &= tril
-    cnt = m.sum(2, dtype=torch.int32)  # [L, NB]
+    return m | (cross_m & tril), m, reachable & tril
+
+
+def _compact(m: Tensor, width: int) -> Tensor:
+    """[..., NB, width] int32: each row's listed blocks compacted to the front, ascending (a cumulative count, no
+    sort); unlisted ones go to a spare last column, dropped; the padding after a row's count is 0 (never read)."""
+    nb = m.shape[-1]
+    slot = torch.where(m, m.cumsum(-1, dtype=torch.int32) - 1, width).long()
+    cols = torch.arange(nb, dtype=torch.int32, device=m.device).expand_as(slot)
+    out = torch.zeros(*m.shape[:-1], width + 1, dtype=torch.int32, device=m.device).scatter_(-1, slot, cols)
+    return out[..., :width].contiguous()
+
+
+def sparse_plan(n: int, n_layers: int, docs: list[tuple[int, int, SiftIndex | None]], block: int,
+                device, window: int = 0, cross: str = "marks"):
+    """Per layer (key-block lists [NB, M] int32, counts [NB] int32) for a prompt of `n` tokens; and the density
+    (share of the causal block pairs attended, averaged over layers).
+
+    Every layer is built at once on `device` ([n_layers, NB, NB] block masks; each document touches only the
+    square of kernel blocks it covers and the columns of its cross marks), with one host read at the end (the
+    lists' width and the density).
+
+    Args:
+        docs: (start, end, index or None) of each document in prompt order. The prefix (rows before the first
+            document) is seen by every query and the tail (rows after the last) sees everything; glue rows between
+            documents (titles) get the local window only.
+        block: the kernel's block size.
+        window: a dense local window, in tokens: every query block also sees the key blocks that hold the `window`
+            tokens before its first row (0: its own block and the one before only).
+        cross: "marks" (the indexes' cross marks); "pick": each query block opens as many earlier-document blocks
+            as the cross marks would, chosen per layer from the request's own queries and keys (`CrossPick`): the
+            lists are then a `CrossPick` (`.layer(i, q, k)` gives the layer's lists and counts) and the counts
+            the marks' per-layer counts (the same density).
+    """
+    if cross not in ("marks", "pick"):
+        raise ValueError(f"cross must be 'marks' or 'pick', got {cross!r}")
+    device = torch.device(device)
+    nb = -(-n // block)
+    full, static, reachable = _masks(n, n_layers, docs, block, device, window)
+    cnt = full.sum(2, dtype=torch.int32)  # [L, NB]
     width, kept = torch.stack([cnt.max().long(), cnt.sum(dtype=torch.long)]).tolist()  # the one host read
-    # listed blocks compacted to the front of each row, ascending (a cumulative count, no sort); unlisted ones are
-    # sent to a spare last column, dropped; the padding after a row's count is 0 (never read)
-    slot = torch.where(m, m.cumsum(2, dtype=torch.int32) - 1, width).long()
-    cols = torch.arange(nb, dtype=torch.int32, device=device).expand_as(slot)
-    lists = torch.zeros(n_layers, nb, width + 1, dtype=torch.int32, device=device).scatter_(2, slot, cols)
-    lists = lists[:, :, :width].contiguous()
     density = kept / float(n_layers * nb * (nb + 1) // 2)
-    return list(lists.unbind(0)), list(cnt.unbind(0)), density
+    if cross == "pick":
+        return CrossPick(static, (full & ~static).sum(2), reachable, n, block, width), list(cnt.unbind(0)), density
+    return list(_compact(full, width).unbind(0)), list(cnt.unbind(0)), density
+
+
+class CrossPick:
+    """sift's cross blocks chosen per request instead of by the indexes' cross marks.
+
+    Measured on the embedded model (benchmarks/sift_mass.py): a later document's rows put about a fifth of their
+    attention on earlier documents, and which blocks they look at depends on the rows, so one fixed set of blocks
+    per document (the cross marks, or even the best such set) leaves most of what the marks drop. Here each query
+    block keeps its local marks, window and prefix, and opens the earlier-document blocks of highest estimated
+    attention, as many as the cross marks would have opened: block-mean queries (averaged over each KV head's
+    group) against block-mean keys, a softmax per head over the causal blocks, averaged over heads. One small
+    [heads, NB, NB] product per layer, no host read.
+    """
+
+    def __init__(self, static: Tensor, counts: Tensor, reachable: Tensor, n: int, block: int, width: int) -> None:
+        self.static, self.counts, self.reachable = static, counts, reachable
+        self.n, self.block, self.width = n, block, width
+        nb = static.shape[-1]
+        dev = static.device
+        self.blk = torch.arange(n, device=dev) // block
+        self.size = torch.bincount(self.blk, minlength=nb).clamp_min(1).float()[:, None, None]
+        self.tril = torch.tril(torch.ones(nb, nb, dtype=torch.bool, device=dev))
+
+    def layer(self, i: int, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        """(lists [NB, width] int32, counts [NB] int32) of layer i, from its rotated q [T, H, D] and k [T, KV, D]."""
+        nb = self.static.shape[-1]
+        kvh = k.shape[1]
+        qg = q.float().unflatten(1, (kvh, -1)).mean(2)  # [T, KV, D]: each KV head's group of query heads
+        bq = torch.zeros(nb, kvh, q.shape[-1], device=q.device).index_add_(0, self.blk, qg) / self.size
+        bk = torch.zeros(nb, kvh, k.shape[-1], device=k.device).index_add_(0, self.blk, k.float()) / self.size
+        est = torch.einsum("qhd,khd->hqk", bq, bk) * (q.shape[-1] ** -0.5)
+        est = torch.softmax(est.masked_fill(~self.tril, float("-inf")), -1).mean(0)  # [NB, NB]
+        open_ = self.reachable & ~self.static[i]
+        est = est.masked_fill(~open_, -1.0)
+        order = torch.argsort(est, dim=1, descending=True)
+        take = torch.arange(nb, device=q.device)[None, :] < self.counts[i][:, None]
+        pick = torch.zeros_like(open_).scatter_(1, order, take) & open_
+        m = self.static[i] | pick
+        return _compact(m, self.width), m.sum(1, dtype=torch.int32)
 
 
 class IndexStore:

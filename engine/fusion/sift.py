@@ -20,7 +20,8 @@ class Sift(Strategy):
     ON_MISS = ("dense", "compute")
 
     def __init__(self, block: int = 16, local_mass: float = 0.8, cross_mass: float = 0.5,
-                 kernel_block: int | None = None, on_miss: str = "dense", window: int = 0) -> None:
+                 kernel_block: int | None = None, on_miss: str = "dense", window: int = 0,
+                 cross: str = "marks") -> None:
         """
         Args:
             block: tokens per block of the index (document-local).
@@ -33,6 +34,10 @@ class Sift(Strategy):
             window: a dense local window in tokens (0: a query's own kernel block and the one before only): every
                 query also attends to the `window` tokens before its block, whatever the marks say. Applied when
                 the request's block lists are built, so indexes do not depend on it.
+            cross: which earlier-document blocks a document's queries see. "marks": the earlier documents' cross
+                marks (the paper's cross-attention consistency). "pick": as many blocks as the marks would open,
+                chosen per request and layer from block-mean queries and keys (`engine.sift.CrossPick`); indexes
+                do not depend on it.
         """
         if on_miss not in self.ON_MISS:
             raise ValueError(f"on_miss must be one of {self.ON_MISS}, got {on_miss!r}")
@@ -41,6 +46,8 @@ class Sift(Strategy):
                 raise ValueError(f"{name} must be in (0, 1], got {x}")
         if int(window) < 0:
             raise ValueError(f"window must be >= 0 tokens, got {window}")
+        if cross not in ("marks", "pick"):
+            raise ValueError(f"cross must be 'marks' or 'pick', got {cross!r}")
         if int(block) < 1:
             raise ValueError(f"block must be >= 1, got {block}")
         if kernel_block is not None and (int(kernel_block) < 16 or int(kernel_block) & (int(kernel_block) - 1)):
@@ -51,6 +58,7 @@ class Sift(Strategy):
         self.kernel_block = None if kernel_block is None else int(kernel_block)
         self.on_miss = on_miss
         self.window = int(window)
+        self.cross = cross
         self.sparse_plan = None  # set by the engine per request: (lists per layer, counts per layer, kernel block)
         self.report: dict = {}
 

@@ -8,7 +8,7 @@ import torch
 
 from kvfuse import Document
 from kvfuse.engine.fusion import make_strategy
-from kvfuse.engine.sift import SiftIndex, sparse_plan
+from kvfuse.engine.sift import CrossPick, SiftIndex, sparse_plan
 
 from cases import DOCS, QUESTION
 
@@ -262,3 +262,47 @@ def test_a_carried_index_must_be_bytes():
     with pytest.raises(ValueError, match="keeps no selective index"):
         from kvfuse.engine.api import FusionEngine
         FusionEngine.sift_index_bytes(object.__new__(FusionEngine), [("d", "t")], "reuse")
+
+
+def test_cross_pick_opens_the_blocks_the_queries_aim_at_as_many_as_the_marks():
+    # the prompt of the two tests above; doc A's cross mark is its kernel block 2, doc B's is kernel block 5
+    a = _index(1, 4, 4, 16, {0: [0], 1: [1], 2: [0, 2], 3: [3]}, [1])
+    b = _index(1, 4, 4, 16, {0: [0], 1: [1], 2: [2], 3: [1, 3]}, [0])
+    docs = [(4, 20, a), (20, 36, b)]
+    marks = _mask(*sparse_plan(40, 1, docs, 4, "cpu")[:2], 10)
+    pick, counts, density = sparse_plan(40, 1, docs, 4, "cpu", cross="pick")
+    assert isinstance(pick, CrossPick) and density == sparse_plan(40, 1, docs, 4, "cpu")[2]
+    # keys: one direction per block; every query aims at doc A's kernel block 4 (its last), not the marked block 2
+    d = 8
+    k = torch.zeros(40, 1, d)
+    for blk in range(10):
+        k[blk * 4:(blk + 1) * 4, 0, blk % d] = 1.0
+    q = torch.zeros(40, 2, d)
+    q[:, :, 4 % d] = 30.0
+    lists, cnt = pick.layer(0, q, k)
+    m = _mask([lists], [cnt], 10)
+    assert torch.equal(cnt, counts[0])  # as many blocks per query block as the marks open: the same density
+    assert m[7, 4] and not m[7, 2]  # inside doc B, past its window: the aimed-at block replaces the marked one
+    assert m[9].all()  # the tail stays dense
+    # what the marks hold without their cross part is kept whatever the estimate says
+    static = marks.clone()
+    static[4:9, 2] = static[8, 5] = False  # the cross marks' blocks past the window (the tail row 9 is dense)
+    assert (m | ~static).all()
+    with pytest.raises(ValueError, match="cross"):
+        make_strategy("sift:cross=oracle")
+
+
+def test_cross_pick_with_every_block_open_equals_full_prefill(tiny_engine):
+    engine = tiny_engine("llama")
+    docs = DOCS + LONG
+    answer = engine.generate(QUESTION, docs, strategy="full", max_new_tokens=6).token_ids
+    full = engine.next_token_logprobs(QUESTION, docs, answer, strategy="full")
+    every = make_strategy("sift", block=4, local_mass=1.0, cross_mass=1.0, on_miss="compute", cross="pick")
+    torch.testing.assert_close(engine.next_token_logprobs(QUESTION, docs, answer, strategy=every), full,
+                               atol=1e-4, rtol=0)
+    kw = dict(block=4, local_mass=0.5, cross_mass=0.3, kernel_block=16, on_miss="compute")
+    marks = engine.next_token_logprobs(QUESTION, docs, answer, strategy=make_strategy("sift", **kw))
+    picked = make_strategy("sift", cross="pick", **kw)
+    got = engine.next_token_logprobs(QUESTION, docs, answer, strategy=picked)
+    assert picked.report["density"] < 1.0
+    assert (got - marks).abs().max() > 1e-4  # other blocks than the marks' were attended
