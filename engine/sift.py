@@ -290,18 +290,22 @@ class CrossPick:
         self.n, self.block, self.width = n, block, width
         nb = static.shape[-1]
         dev = static.device
-        self.blk = torch.arange(n, device=dev) // block
-        self.size = torch.bincount(self.blk, minlength=nb).clamp_min(1).float()[:, None, None]
+        self.size = torch.bincount(torch.arange(n, device=dev) // block, minlength=nb).clamp_min(1).float()[:, None, None]
         self.tril = torch.tril(torch.ones(nb, nb, dtype=torch.bool, device=dev))
 
     def layer(self, i: int, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
         """(lists [NB, width] int32, counts [NB] int32) of layer i, from its rotated q [T, H, D] and k [T, KV, D]."""
         nb = self.static.shape[-1]
-        kvh = k.shape[1]
-        qg = q.float().unflatten(1, (kvh, -1)).mean(2)  # [T, KV, D]: each KV head's group of query heads
-        bq = torch.zeros(nb, kvh, q.shape[-1], device=q.device).index_add_(0, self.blk, qg) / self.size
-        bk = torch.zeros(nb, kvh, k.shape[-1], device=k.device).index_add_(0, self.blk, k.float()) / self.size
-        est = torch.einsum("qhd,khd->hqk", bq, bk) * (q.shape[-1] ** -0.5)
+        kvh, d = k.shape[1], k.shape[2]
+        pad = nb * self.block - q.shape[0]
+
+        def block_mean(x: Tensor) -> Tensor:  # [T, KV, D] -> [NB, KV, D] float32, one pass over x
+            x = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad))
+            return x.view(nb, self.block, kvh, d).sum(1, dtype=torch.float32) / self.size
+
+        group = q.shape[1] // kvh
+        bq = block_mean(q.unflatten(1, (kvh, group)).sum(2, dtype=torch.float32) / group)  # each KV head's group
+        est = torch.einsum("qhd,khd->hqk", bq, block_mean(k)) * (d ** -0.5)
         est = torch.softmax(est.masked_fill(~self.tril, float("-inf")), -1).mean(0)  # [NB, NB]
         open_ = self.reachable & ~self.static[i]
         est = est.masked_fill(~open_, -1.0)
