@@ -2,11 +2,16 @@
 
 For each prompt, full prefill's attention (averaged over heads) is measured at every layer, and for every document
 query row the mass that falls on key blocks its block list leaves out is summed, split by where those keys are:
-its own document, earlier documents, or glue rows (titles). Beside it, an oracle at the same count: each query
-block keeps the blocks of highest mass for its rows, as many as its list holds. A large gap between the two says
-the index marks the wrong blocks; a small one says the count is what limits quality.
+its own document, earlier documents, or glue rows (titles). Beside it, at the same count of blocks per query block:
+- an oracle: each query block keeps the blocks of highest mass for its rows;
+- the best static cross set: per earlier document one set of blocks for every later row (what an index can hold),
+  those that receive the most mass from later documents, as many as its cross marks;
+- a whole-row pick from block-mean queries and keys (no index at all).
+A large gap between the plan and the oracle says the plan opens the wrong blocks; the static set says how much of
+that gap any per-document index could close.
 
-    python benchmarks/sift_mass.py --data ../shared/data --datasets musique_cacheblend,musique --limit 3 [--spec sift:window=1024]
+    python benchmarks/sift_mass.py --data ../shared/data --datasets musique,musique_cacheblend --limit 3 \
+        --spec sift --spec sift:cross=pick
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ import torch
 from kvfuse.engine.api import FusionEngine
 from kvfuse.engine.fusion import make_strategy
 from kvfuse.engine.prompt import PROMPT_PRESETS
+from kvfuse.engine.sift import CrossPick
 from kvfuse.evaluation.data import read_jsonl, select_examples
 from kvfuse.kernels.rope import apply_rope
 
@@ -34,7 +40,8 @@ def block_masks(lists, counts, nb: int) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def measure(eng: FusionEngine, layout, masks: torch.Tensor, block: int, chunk: int = 512) -> list[dict]:
+def measure(eng: FusionEngine, layout, plan, block: int, chunk: int = 512) -> list[dict]:
+    """`plan`: the request's (lists, counts) as `sparse_plan` gives them (a static plan or a `CrossPick`)."""
     dec, spec = eng.decoder, eng.decoder.spec
     ids = layout.ids.to(dec.device)
     n = int(ids.numel())
@@ -69,7 +76,12 @@ def measure(eng: FusionEngine, layout, masks: torch.Tensor, block: int, chunk: i
             outs.append(torch.einsum("htk,khd->thd", pr, vf).to(q.dtype))
             bmass[a:b] = torch.zeros(b - a, nb).index_add_(1, torch.arange(n) // block, pr.mean(0))
         h = dec.finish(i, h, torch.cat(outs))
-        m = masks[i]
+        lists, counts = plan
+        if isinstance(lists, CrossPick):
+            lists, counts = lists.layer(i, qr.to(q.dtype), apply_rope(k, cos[:n], sin[:n]))
+            m = block_masks([lists], [counts], nb)[0]
+        else:
+            m = block_masks(lists[i:i + 1], counts[i:i + 1], nb)[0]
         rm = bmass[doc_rows]  # [R, NB]
         qb = doc_rows // block
         keep = m[qb]  # [R, NB] each row's list
@@ -149,8 +161,7 @@ def main() -> int:
                 strat = make_strategy(spec, on_miss="compute")
                 layout = eng.layout(e.question, e.docs)
                 (lists, counts, block), rep = eng._sift_plan(layout, strat)
-                nb = -(-int(layout.ids.numel()) // block)
-                rows.append(measure(eng, layout, block_masks(lists, counts, nb), block))
+                rows.append(measure(eng, layout, (lists, counts), block))
             L = len(rows[0])
             print(f"\n{ds}, {spec}, {len(exs)} prompts: attention mass a document row loses per layer (mean over rows)")
             print("layer | to earlier docs | dropped | own doc | earlier docs | glue | oracle at the same count | "
@@ -166,7 +177,7 @@ def main() -> int:
                   f"{avg['first_blk']:.3f} on documents' first blocks, {avg['last_blk']:.3f} on their last blocks; "
                   f"the best static cross set of the same size would drop {avg['static']:.3f} there. A query-dependent "
                   f"pick at the same count from block-mean queries and keys drops {avg['pooled']:.3f} in all "
-                  f"(the oracle {avg['oracle']:.3f}, the marks {avg['dropped']:.3f})",
+                  f"(the oracle {avg['oracle']:.3f}, this plan {avg['dropped']:.3f})",
                   flush=True)
     return 0
 
