@@ -301,8 +301,8 @@ def test_cross_pick_with_every_block_open_equals_full_prefill(tiny_engine):
     torch.testing.assert_close(engine.next_token_logprobs(QUESTION, docs, answer, strategy=every), full,
                                atol=1e-4, rtol=0)
     kw = dict(block=4, local_mass=0.5, cross_mass=0.3, kernel_block=16, on_miss="compute")
-    marks = engine.next_token_logprobs(QUESTION, docs, answer, strategy=make_strategy("sift", **kw))
-    picked = make_strategy("sift", cross="pick", **kw)
+    marks = engine.next_token_logprobs(QUESTION, docs, answer, strategy=make_strategy("sift", cross="marks", **kw))
+    picked = make_strategy("sift", **kw)  # cross="pick", the default
     got = engine.next_token_logprobs(QUESTION, docs, answer, strategy=picked)
     assert picked.report["density"] < 1.0
     assert (got - marks).abs().max() > 1e-4  # other blocks than the marks' were attended
