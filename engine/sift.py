@@ -282,7 +282,7 @@ class CrossPick:
     block keeps its local marks, window and prefix, and opens the earlier-document blocks of highest estimated
     attention, as many as the cross marks would have opened: block-mean queries (averaged over each KV head's
     group) against block-mean keys, a softmax per head over the causal blocks, averaged over heads. One small
-    [heads, NB, NB] product per layer, no host read.
+    [kv heads, NB, NB] product and an NB x NB sort per layer, no host read.
     """
 
     def __init__(self, static: Tensor, counts: Tensor, reachable: Tensor, n: int, block: int, width: int) -> None:
@@ -290,7 +290,8 @@ class CrossPick:
         self.n, self.block, self.width = n, block, width
         nb = static.shape[-1]
         dev = static.device
-        self.size = torch.bincount(torch.arange(n, device=dev) // block, minlength=nb).clamp_min(1).float()[:, None, None]
+        rows = torch.bincount(torch.arange(n, device=dev) // block, minlength=nb)
+        self.size = rows.clamp_min(1).float()[:, None, None]  # rows per block (the last may be short)
         self.tril = torch.tril(torch.ones(nb, nb, dtype=torch.bool, device=dev))
 
     def layer(self, i: int, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
