@@ -42,6 +42,7 @@ from ..kernels.rope import apply_rope
 __all__ = ["SiftIndex", "IndexStore", "compute_index", "sparse_plan", "CrossPick", "MAGIC"]
 
 MAGIC = b"KVFSIFT1"
+CROSS_MODES = ("pick", "marks")  # which earlier-document blocks a document's queries see (`sparse_plan`'s `cross`)
 
 
 @dataclass
@@ -260,8 +261,8 @@ def sparse_plan(n: int, n_layers: int, docs: list[tuple[int, int, SiftIndex | No
             lists are then a `CrossPick` (`.layer(i, q, k)` gives the layer's lists and counts) and the counts
             the marks' per-layer counts (the same density).
     """
-    if cross not in ("marks", "pick"):
-        raise ValueError(f"cross must be 'marks' or 'pick', got {cross!r}")
+    if cross not in CROSS_MODES:
+        raise ValueError(f"cross must be one of {CROSS_MODES}, got {cross!r}")
     device = torch.device(device)
     nb = -(-n // block)
     full, static, reachable = _masks(n, n_layers, docs, block, device, window)
@@ -287,7 +288,7 @@ class CrossPick:
 
     def __init__(self, static: Tensor, counts: Tensor, reachable: Tensor, n: int, block: int, width: int) -> None:
         self.static, self.counts, self.reachable = static, counts, reachable
-        self.n, self.block, self.width = n, block, width
+        self.block, self.width = block, width
         nb = static.shape[-1]
         dev = static.device
         rows = torch.bincount(torch.arange(n, device=dev) // block, minlength=nb)

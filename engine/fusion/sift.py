@@ -6,6 +6,7 @@ prefill then calls the block-sparse kernel instead of dense causal attention. Th
 """
 from __future__ import annotations
 
+from ..sift import CROSS_MODES
 from .base import SelectContext, Strategy, register
 
 
@@ -48,8 +49,8 @@ class Sift(Strategy):
                 raise ValueError(f"{name} must be in (0, 1], got {x}")
         if int(window) < 0:
             raise ValueError(f"window must be >= 0 tokens, got {window}")
-        if cross not in ("marks", "pick"):
-            raise ValueError(f"cross must be 'marks' or 'pick', got {cross!r}")
+        if cross not in CROSS_MODES:
+            raise ValueError(f"cross must be one of {CROSS_MODES}, got {cross!r}")
         if int(block) < 1:
             raise ValueError(f"block must be >= 1, got {block}")
         if kernel_block is not None and (int(kernel_block) < 16 or int(kernel_block) & (int(kernel_block) - 1)):
