@@ -23,7 +23,6 @@ import torch
 from kvfuse.engine.api import FusionEngine
 from kvfuse.engine.fusion import make_strategy
 from kvfuse.engine.prompt import PROMPT_PRESETS
-from kvfuse.engine.sift import CrossPick
 from kvfuse.evaluation.data import read_jsonl, select_examples
 from kvfuse.kernels.rope import apply_rope
 
@@ -76,12 +75,8 @@ def measure(eng: FusionEngine, layout, plan, block: int, chunk: int = 512) -> li
             outs.append(torch.einsum("htk,khd->thd", pr, vf).to(q.dtype))
             bmass[a:b] = torch.zeros(b - a, nb).index_add_(1, torch.arange(n) // block, pr.mean(0))
         h = dec.finish(i, h, torch.cat(outs))
-        lists, counts = plan
-        if isinstance(lists, CrossPick):
-            lists, counts = lists.layer(i, qr.to(q.dtype), apply_rope(k, cos[:n], sin[:n]))
-            m = block_masks([lists], [counts], nb)[0]
-        else:
-            m = block_masks(lists[i:i + 1], counts[i:i + 1], nb)[0]
+        lists, counts = plan[0].layer(i, qr.to(q.dtype), apply_rope(k, cos[:n], sin[:n]))
+        m = block_masks([lists], [counts], nb)[0]
         rm = bmass[doc_rows]  # [R, NB]
         qb = doc_rows // block
         keep = m[qb]  # [R, NB] each row's list

@@ -926,7 +926,7 @@ class FusionEngine:
                             self._index_backlog.popitem(last=False)
                 plan.append((sp.start, sp.end, idx))
             lists, counts, density = sparse_plan(layout.n, n_layers, plan, block, self.device, window=strat.window,
-                                                  cross=strat.cross)
+                                                  cross=strat.cross, local=strat.local)
         return (lists, counts, block), {"index_hits": hits, "index_computed": computed, "index_carried": used,
                                         "index_rejected": rejected, "index_deferred": deferred,
                                         "density": round(density, 4), "kernel_block": block}

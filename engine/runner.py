@@ -31,7 +31,6 @@ from .cudagraph import capture_graph
 from .fusion.base import SelectContext, Strategy, signature
 from .models.base import Decoder
 from .piecewise import DenseGraphs
-from .sift import CrossPick
 from .sources import PooledSource, make_source, pool_rows
 from .store.entry import DocKV
 
@@ -354,9 +353,9 @@ class Runner:
                     cap_v.append(v[capture[0]:capture[1]].clone())
                 c, s_ = cos[:n], sin[:n]
                 if sparse is not None:  # sift: each query block attends to its listed key blocks only
-                    lists, counts, block = sparse
+                    plan, _, block = sparse
                     qr, kr = apply_rope(q, c, s_), apply_rope(k, c, s_)
-                    li, ci = lists.layer(i, qr, kr) if isinstance(lists, CrossPick) else (lists[i], counts[i])
+                    li, ci = plan.layer(i, qr, kr)  # fixed by the marks, or picked from this layer's q and k
                     o = block_sparse_attention(qr, kr, v, li, ci, block, spec.scale)
                 else:
                     o = causal_attention(apply_rope(q, c, s_), apply_rope(k, c, s_), v, spec.scale)

@@ -39,10 +39,10 @@ from torch import Tensor
 
 from ..kernels.rope import apply_rope
 
-__all__ = ["SiftIndex", "IndexStore", "compute_index", "sparse_plan", "CrossPick", "MAGIC"]
+__all__ = ["SiftIndex", "IndexStore", "compute_index", "sparse_plan", "MarkedLists", "CrossPick", "MAGIC"]
 
 MAGIC = b"KVFSIFT1"
-CROSS_MODES = ("pick", "marks")  # which earlier-document blocks a document's queries see (`sparse_plan`'s `cross`)
+CROSS_MODES = ("pick", "marks")  # how a document's queries' blocks are chosen (`sparse_plan`'s `cross` and `local`)
 
 
 @dataclass
@@ -191,10 +191,15 @@ def _span_map(start: int, n_tokens: int, block_loc: int, block_abs: int) -> tupl
 
 
 def _masks(n: int, n_layers: int, docs: list[tuple[int, int, SiftIndex | None]], block: int, device,
-           window: int) -> tuple[Tensor, Tensor, Tensor]:
-    """([L, NB, NB] the block masks by the marks, [L, NB, NB] the same without the cross marks, [NB, NB] the
-    (query block, key block) pairs a cross mark may open: an earlier document's blocks, for the queries from that
-    document's last block on)."""
+           window: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The block masks of a prompt, by part (all causal):
+    - base [NB, NB]: what every plan keeps: the local window, the prefix (seen by all; its rows dense), the rows from
+      the tail on (dense), and the rows of documents with no usable index (dense);
+    - local [L, NB, NB]: each document's own marked blocks (local marks), mapped to kernel blocks;
+    - cross [L, NB, NB]: each document's cross-marked blocks, opened to the queries from its last block on;
+    - own [NB, NB]: each indexed document's own square (the blocks a local pick may open);
+    - earlier [NB, NB]: an earlier document's blocks, for the queries from that document's last block on (the blocks
+      a cross pick may open)."""
     nb = -(-n // block)
     tril = torch.tril(torch.ones(nb, nb, dtype=torch.bool, device=device))
     first = min((s for s, _, _ in docs), default=n)
@@ -203,31 +208,32 @@ def _masks(n: int, n_layers: int, docs: list[tuple[int, int, SiftIndex | None]],
     reach = max(1, -(-int(window) // block))
     back = torch.arange(nb, device=device)
     back = back[:, None] - back[None, :]  # query block - key block
-    m = (back >= 0) & (back <= reach)
+    base = (back >= 0) & (back <= reach)
     if first > 0:  # the prefix (system prompt, attention sink): seen by every query; its own rows attend densely
-        m[:, :(first - 1) // block + 1] = True
-        m[:(first - 1) // block + 1] = True
+        base[:, :(first - 1) // block + 1] = True
+        base[:(first - 1) // block + 1] = True
     if last < n:  # blocks with a tail row attend to everything before
-        m[last // block:] = True
-    m = m.unsqueeze(0).repeat(n_layers, 1, 1)
-    cross_m = torch.zeros_like(m)
-    reachable = torch.zeros(nb, nb, dtype=torch.bool, device=device)
+        base[last // block:] = True
+    local_m = torch.zeros(n_layers, nb, nb, dtype=torch.bool, device=device)
+    cross_m = torch.zeros_like(local_m)
+    own = torch.zeros(nb, nb, dtype=torch.bool, device=device)
+    earlier = torch.zeros_like(own)
     for s, e, idx in docs:
         qb0, qb1 = s // block, (e - 1) // block + 1
         if idx is None:  # no usable index: this document's rows attend densely
-            m[:, qb0:qb1] = True
+            base[qb0:qb1] = True
             continue
         local, cross = idx.on(device)  # [L, nbl, nbl], [L, nbl] float
         b0, pm = _span_map(s, e - s, idx.block, block)
         pm = pm.to(device)
         w = pm.shape[1]
-        m[:, b0:b0 + w, b0:b0 + w] |= (pm.T @ local @ pm) > 0  # its own marked blocks, mapped to kernel blocks
+        local_m[:, b0:b0 + w, b0:b0 + w] |= (pm.T @ local @ pm) > 0  # its own marked blocks, mapped to kernel blocks
+        own[b0:b0 + w, b0:b0 + w] = True
         keys = (cross @ pm) > 0  # [L, w]
         # queries from the document's last block on (the later documents) see its cross-marked blocks
         cross_m[:, (e - 1) // block:, b0:b0 + w] |= keys[:, None, :]
-        reachable[(e - 1) // block:, b0:b0 + w] = True
-    m &= tril
-    return m | (cross_m & tril), m, reachable & tril
+        earlier[(e - 1) // block:, b0:b0 + w] = True
+    return base & tril, local_m & tril, cross_m & tril, own & tril, earlier & tril
 
 
 def _compact(m: Tensor, width: int) -> Tensor:
@@ -241,7 +247,7 @@ def _compact(m: Tensor, width: int) -> Tensor:
 
 
 def sparse_plan(n: int, n_layers: int, docs: list[tuple[int, int, SiftIndex | None]], block: int,
-                device, window: int = 0, cross: str = "marks"):
+                device, window: int = 0, cross: str = "marks", local: str = "marks"):
     """Per layer (key-block lists [NB, M] int32, counts [NB] int32) for a prompt of `n` tokens; and the density
     (share of the causal block pairs attended, averaged over layers).
 
@@ -260,18 +266,42 @@ def sparse_plan(n: int, n_layers: int, docs: list[tuple[int, int, SiftIndex | No
             as the cross marks would, chosen per layer from the request's own queries and keys (`CrossPick`): the
             lists are then a `CrossPick` (`.layer(i, q, k)` gives the layer's lists and counts) and the counts
             the marks' per-layer counts (the same density).
+        local: "marks" (the indexes' local marks); "pick": a document's own blocks beyond the window are chosen per
+            request too, in one pool with the picked cross blocks when `cross` is "pick" (each query block opens as
+            many blocks in all as the marks would).
     """
-    if cross not in CROSS_MODES:
-        raise ValueError(f"cross must be one of {CROSS_MODES}, got {cross!r}")
+    for name, mode in (("cross", cross), ("local", local)):
+        if mode not in CROSS_MODES:
+            raise ValueError(f"{name} must be one of {CROSS_MODES}, got {mode!r}")
     device = torch.device(device)
     nb = -(-n // block)
-    full, static, reachable = _masks(n, n_layers, docs, block, device, window)
+    base, local_m, cross_m, own, earlier = _masks(n, n_layers, docs, block, device, window)
+    full = base | local_m | cross_m
     cnt = full.sum(2, dtype=torch.int32)  # [L, NB]
     width, kept = torch.stack([cnt.max().long(), cnt.sum(dtype=torch.long)]).tolist()  # the one host read
     density = kept / float(n_layers * nb * (nb + 1) // 2)
-    if cross == "pick":
-        return CrossPick(static, (full & ~static).sum(2), reachable, n, block, width), list(cnt.unbind(0)), density
-    return list(_compact(full, width).unbind(0)), list(cnt.unbind(0)), density
+    if cross == "marks" and local == "marks":
+        counts = list(cnt.unbind(0))
+        return MarkedLists(_compact(full, width).unbind(0), counts), counts, density
+    static, reachable = base.expand_as(full), torch.zeros_like(own)
+    for mode, marks, pool in ((local, local_m, own), (cross, cross_m, earlier)):
+        if mode == "marks":
+            static = static | marks
+        else:
+            reachable = reachable | pool
+    return CrossPick(static, (full & ~static).sum(2), reachable, n, block, width), list(cnt.unbind(0)), density
+
+
+class MarkedLists(list):
+    """The per-layer key-block lists of a plan fixed by the marks alone (a list of [NB, M] int32, one per layer), with
+    `CrossPick`'s interface: `.layer(i, q, k)` gives layer i's (lists, counts) and ignores q and k."""
+
+    def __init__(self, lists, counts: list[Tensor]) -> None:
+        super().__init__(lists)
+        self.counts = counts
+
+    def layer(self, i: int, q: Tensor | None = None, k: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        return self[i], self.counts[i]
 
 
 class CrossPick:

@@ -22,7 +22,7 @@ class Sift(Strategy):
 
     def __init__(self, block: int = 16, local_mass: float = 0.8, cross_mass: float = 0.5,
                  kernel_block: int | None = None, on_miss: str = "dense", window: int = 0,
-                 cross: str = "pick") -> None:
+                 cross: str = "pick", local: str = "marks") -> None:
         """
         Args:
             block: tokens per block of the index (document-local).
@@ -41,6 +41,10 @@ class Sift(Strategy):
                 QA sets at the same density, ~1% of TTFT at 32k on the GPU: docs/quality/sift_coinrag.md).
                 "marks": the cross marks themselves (the paper's cross-attention consistency). Indexes do not
                 depend on it.
+            local: which of a document's own blocks (beyond the window) its queries see. "marks" (default): the
+                indexes' local marks. "pick": chosen per request like the cross blocks; with cross="pick" the two
+                share one pool (as many blocks per query block as the marks would open, wherever the estimate puts
+                them).
         """
         if on_miss not in self.ON_MISS:
             raise ValueError(f"on_miss must be one of {self.ON_MISS}, got {on_miss!r}")
@@ -49,8 +53,9 @@ class Sift(Strategy):
                 raise ValueError(f"{name} must be in (0, 1], got {x}")
         if int(window) < 0:
             raise ValueError(f"window must be >= 0 tokens, got {window}")
-        if cross not in CROSS_MODES:
-            raise ValueError(f"cross must be one of {CROSS_MODES}, got {cross!r}")
+        for name, mode in (("cross", cross), ("local", local)):
+            if mode not in CROSS_MODES:
+                raise ValueError(f"{name} must be one of {CROSS_MODES}, got {mode!r}")
         if int(block) < 1:
             raise ValueError(f"block must be >= 1, got {block}")
         if kernel_block is not None and (int(kernel_block) < 16 or int(kernel_block) & (int(kernel_block) - 1)):
@@ -62,6 +67,7 @@ class Sift(Strategy):
         self.on_miss = on_miss
         self.window = int(window)
         self.cross = cross
+        self.local = local
         self.sparse_plan = None  # set by the engine per request: (lists per layer, counts per layer, kernel block)
         self.report: dict = {}
 

@@ -292,6 +292,34 @@ def test_cross_pick_opens_the_blocks_the_queries_aim_at_as_many_as_the_marks():
         make_strategy("sift:cross=oracle")
 
 
+def test_local_pick_opens_unmarked_blocks_of_the_own_document_within_the_marks_count():
+    # the prompt above: doc B covers kernel blocks 5-8; its query block 7 keeps window 6-7 and the prefix 0 (and its
+    # local mark, 7, lies in the window), and doc A's cross mark (2) opens one block more; every query aims at
+    # B's first block (5)
+    a = _index(1, 4, 4, 16, {0: [0], 1: [1], 2: [0, 2], 3: [3]}, [1])
+    b = _index(1, 4, 4, 16, {0: [0], 1: [1], 2: [2], 3: [1, 3]}, [0])
+    docs = [(4, 20, a), (20, 36, b)]
+    d = 8
+    k = torch.zeros(40, 1, d)
+    for blk in range(10):
+        k[blk * 4:(blk + 1) * 4, 0, blk % d] = 1.0
+    q = torch.zeros(40, 2, d)
+    q[:, :, 5 % d] = 30.0
+    marks_cnt = sparse_plan(40, 1, docs, 4, "cpu")[1][0]
+    got = {}
+    for local, cross in (("marks", "pick"), ("pick", "pick"), ("pick", "marks")):
+        plan, counts, _ = sparse_plan(40, 1, docs, 4, "cpu", cross=cross, local=local)
+        lists, cnt = plan.layer(0, q, k)
+        assert torch.equal(cnt, marks_cnt) and torch.equal(cnt, counts[0])  # the same density in every mode
+        got[local, cross] = _mask([lists], [cnt], 10)
+    assert not got["marks", "pick"][7, 5]  # a cross pick never opens the own document's blocks
+    assert got["pick", "pick"][7, 5]  # one pool: the cross mark's share goes where the queries aim, in doc B
+    assert got["pick", "marks"][7, 2] and not got["pick", "marks"][7, 5]  # the cross marks stay, with their share
+    assert got["pick", "pick"][7, [0, 6, 7]].all()  # the window and the prefix stay whatever the estimate says
+    with pytest.raises(ValueError, match="local"):
+        make_strategy("sift:local=oracle")
+
+
 def test_cross_pick_with_every_block_open_equals_full_prefill(tiny_engine):
     engine = tiny_engine("llama")
     docs = DOCS + LONG
