@@ -153,7 +153,7 @@ def main() -> int:
         for spec in specs:
             rows = []
             for e in exs:
-                strat = make_strategy(spec, on_miss="compute")
+                strat = make_strategy(spec, on_miss="compute", min_tokens=0, max_density=1.0)
                 layout = eng.layout(e.question, e.docs)
                 (lists, counts, block), rep = eng._sift_plan(layout, strat)
                 rows.append(measure(eng, layout, (lists, counts), block))

@@ -13,7 +13,7 @@ fulls = [eng.generate(e.question, e.docs, strategy="full", max_new_tokens=32).to
 for lm, cm in [(0.95, 0.9), (0.8, 0.5), (0.6, 0.3)]:
     same, dens = 0, []
     for e, f in zip(exs, fulls):
-        s = make_strategy("sift", local_mass=lm, cross_mass=cm, on_miss="compute")
+        s = make_strategy("sift", local_mass=lm, cross_mass=cm, on_miss="compute", min_tokens=0, max_density=1.0)
         r = eng.generate(e.question, e.docs, strategy=s, max_new_tokens=32)
         same += r.token_ids == f
         dens.append(r.extra["sift"]["density"])

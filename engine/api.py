@@ -903,6 +903,11 @@ class FusionEngine:
         that is not (damaged, truncated, another model's or another text's) is counted as rejected and that
         document attends densely: never a failure, never a stale index."""
         block = strat.kernel_block or (64 if self.device.type == "cuda" else 16)
+        min_tokens = 4 * self.decoder.spec.hidden if strat.min_tokens is None else strat.min_tokens
+        report = {"index_hits": 0, "index_computed": 0, "index_carried": 0, "index_rejected": 0,
+                  "index_deferred": 0, "density": 1.0, "kernel_block": block, "sparse": False}
+        if layout.n < min_tokens:  # too short for the sparse kernel to pay: dense, no index looked up
+            return None, {**report, "dense_reason": f"prompt of {layout.n} tokens < min_tokens {min_tokens}"}
         carried = ([d.sift_index for d in docs] if docs is not None and len(docs) == len(layout.docs)
                    else [None] * len(layout.docs))
         n_layers = self.decoder.spec.n_layers
@@ -927,9 +932,12 @@ class FusionEngine:
                 plan.append((sp.start, sp.end, idx))
             lists, counts, density = sparse_plan(layout.n, n_layers, plan, block, self.device, window=strat.window,
                                                   cross=strat.cross, local=strat.local)
-        return (lists, counts, block), {"index_hits": hits, "index_computed": computed, "index_carried": used,
-                                        "index_rejected": rejected, "index_deferred": deferred,
-                                        "density": round(density, 4), "kernel_block": block}
+        report.update(index_hits=hits, index_computed=computed, index_carried=used, index_rejected=rejected,
+                      index_deferred=deferred, density=round(density, 4))
+        if density > strat.max_density:  # the sparse kernel would be slower than dense attention
+            return None, {**report, "density": 1.0, "plan_density": round(density, 4),
+                          "dense_reason": f"plan density {density:.3f} > max_density {strat.max_density}"}
+        return (lists, counts, block), {**report, "sparse": True}
 
     def cold_documents(self, docs: list[Document], doc_ids: list[list[int]], strat: Strategy, ratio: float,
                        tail_tokens: int) -> dict | None:

@@ -22,7 +22,8 @@ class Sift(Strategy):
 
     def __init__(self, block: int = 16, local_mass: float = 0.8, cross_mass: float = 0.5,
                  kernel_block: int | None = None, on_miss: str = "dense", window: int = 0,
-                 cross: str = "pick", local: str = "marks") -> None:
+                 cross: str = "pick", local: str = "marks", max_density: float = 0.5,
+                 min_tokens: int | None = None) -> None:
         """
         Args:
             block: tokens per block of the index (document-local).
@@ -45,12 +46,25 @@ class Sift(Strategy):
                 indexes' local marks. "pick": chosen per request like the cross blocks; with cross="pick" the two
                 share one pool (as many blocks per query block as the marks would open, wherever the estimate puts
                 them).
+            max_density / min_tokens: when the sparse kernel runs. A request whose plan keeps more than `max_density`
+                of the causal block pairs, or whose prompt has fewer than `min_tokens` tokens (None: 4 x the model's
+                hidden size), attends densely: a full prefill's cost and answer, reported in `extra["sift"]` as
+                `sparse: False` with the reason. Measured on the H200 (docs/gpu/README.md, SIFT): the block-sparse
+                kernel does a useful FLOP at 0.6x of dense flash attention's speed, so it gains nothing above about
+                half density, and sift's plan costs more than the attention it saves at 8k on the 8B shape (0.94x of
+                `full`) while it gains at 32k (1.16x); the attention's share of a prefill grows with the prompt's
+                length over the hidden size, hence the bound in hidden sizes. Pass min_tokens=0 and max_density=1
+                to run the sparse kernel on every request.
         """
         if on_miss not in self.ON_MISS:
             raise ValueError(f"on_miss must be one of {self.ON_MISS}, got {on_miss!r}")
         for name, x in (("local_mass", local_mass), ("cross_mass", cross_mass)):
             if not 0.0 < float(x) <= 1.0:
                 raise ValueError(f"{name} must be in (0, 1], got {x}")
+        if not 0.0 < float(max_density) <= 1.0:
+            raise ValueError(f"max_density must be in (0, 1], got {max_density}")
+        if min_tokens is not None and int(min_tokens) < 0:
+            raise ValueError(f"min_tokens must be >= 0 (or None), got {min_tokens}")
         if int(window) < 0:
             raise ValueError(f"window must be >= 0 tokens, got {window}")
         for name, mode in (("cross", cross), ("local", local)):
@@ -68,6 +82,8 @@ class Sift(Strategy):
         self.window = int(window)
         self.cross = cross
         self.local = local
+        self.max_density = float(max_density)
+        self.min_tokens = None if min_tokens is None else int(min_tokens)
         self.sparse_plan = None  # set by the engine per request: (lists per layer, counts per layer, kernel block)
         self.report: dict = {}
 

@@ -249,7 +249,8 @@ def test_sift_on_every_tier_matches_the_cpu_plan():
     from kvfuse.engine.fusion import make_strategy
     from kvfuse.engine.sift import sparse_plan
 
-    kw = dict(strategy="sift", local_mass=0.6, cross_mass=0.4, kernel_block=16, on_miss="compute", max_new_tokens=6)
+    kw = dict(strategy="sift", local_mass=0.6, cross_mass=0.4, kernel_block=16, on_miss="compute", max_new_tokens=6,
+              min_tokens=0, max_density=1.0)
     pool = _engine("llama3", kv_tier="pool")
     host = _engine("llama3", kv_tier="host")
     ref = pool.generate(QUESTION, DOCS, **kw)

@@ -12,6 +12,8 @@ from kvfuse.engine.sift import CrossPick, SiftIndex, sparse_plan
 
 from cases import DOCS, QUESTION
 
+SPARSE = dict(min_tokens=0, max_density=1.0)  # these prompts are tiny: run the sparse kernel whatever it saves
+
 LONG = [("l1", "The western ridge holds three abandoned copper mines, worked from 1820 until the floods of 1871. "
                "Miners walked from Esk each morning along the river path, and the company store sold lamps, rope "
                "and bread. The mines closed when the river changed course and flooded the lower galleries."),
@@ -25,15 +27,16 @@ def test_full_marks_equal_full_prefill(tiny_engine):
     docs = DOCS + LONG
     answer = engine.generate(QUESTION, docs, strategy="full", max_new_tokens=6).token_ids
     full = engine.next_token_logprobs(QUESTION, docs, answer, strategy="full")
-    every = make_strategy("sift", block=4, local_mass=1.0, cross_mass=1.0, on_miss="compute")
+    every = make_strategy("sift", **SPARSE, block=4, local_mass=1.0, cross_mass=1.0, on_miss="compute")
     got = engine.next_token_logprobs(QUESTION, docs, answer, strategy=every)
     torch.testing.assert_close(got, full, atol=1e-4, rtol=0)
-    sparse = make_strategy("sift", block=4, local_mass=0.5, cross_mass=0.3, kernel_block=16, on_miss="compute")
+    sparse = make_strategy("sift", **SPARSE, block=4, local_mass=0.5, cross_mass=0.3, kernel_block=16,
+                           on_miss="compute")
     low = engine.next_token_logprobs(QUESTION, docs, answer, strategy=sparse)
     assert sparse.report["density"] < 1.0
     assert (low - full).abs().max() > 1e-3  # attention really dropped: the comparison above can fail
     # the same sparse marks with a dense window over the whole prompt: every causal pair again, full's numbers
-    wide = make_strategy("sift", block=4, local_mass=0.5, cross_mass=0.3, kernel_block=16, on_miss="compute",
+    wide = make_strategy("sift", **SPARSE, block=4, local_mass=0.5, cross_mass=0.3, kernel_block=16, on_miss="compute",
                          window=100_000)
     torch.testing.assert_close(engine.next_token_logprobs(QUESTION, docs, answer, strategy=wide), full,
                                atol=1e-4, rtol=0)
@@ -42,7 +45,7 @@ def test_full_marks_equal_full_prefill(tiny_engine):
 
 def test_generation_reports_indexes_and_reuses_them(tiny_engine):
     engine = tiny_engine("llama")
-    kw = dict(strategy="sift", block=4, local_mass=0.5, cross_mass=0.3, max_new_tokens=3)
+    kw = dict(strategy="sift", **SPARSE, block=4, local_mass=0.5, cross_mass=0.3, max_new_tokens=3)
     r1 = engine.generate(QUESTION, DOCS + LONG, on_miss="compute", **kw)
     r2 = engine.generate(QUESTION, DOCS + LONG, on_miss="compute", **kw)
     assert r1.extra["sift"]["index_computed"] == 5 and r2.extra["sift"]["index_hits"] == 5
@@ -53,7 +56,7 @@ def test_generation_reports_indexes_and_reuses_them(tiny_engine):
 def test_new_documents_attend_densely_and_get_their_index_when_the_engine_is_idle(tiny_engine):
     engine = tiny_engine("llama")
     docs = DOCS + LONG
-    kw = dict(strategy="sift", block=4, local_mass=0.5, cross_mass=0.3, max_new_tokens=4)
+    kw = dict(strategy="sift", **SPARSE, block=4, local_mass=0.5, cross_mass=0.3, max_new_tokens=4)
     full = engine.generate(QUESTION, docs, strategy="full", max_new_tokens=4)
     first = engine.generate(QUESTION, docs, **kw)  # on_miss="dense", the default: no index on the request's path
     rep = first.extra["sift"]
@@ -216,7 +219,7 @@ def test_vectorised_plan_matches_the_rules_on_random_indexes():
 def test_carried_indexes_are_used_and_bad_ones_refused(tiny_engine, monkeypatch):
     engine = tiny_engine("llama")
     docs = DOCS + LONG
-    sparse = dict(strategy="sift", block=4, local_mass=0.5, cross_mass=0.3, on_miss="compute")
+    sparse = dict(strategy="sift", **SPARSE, block=4, local_mass=0.5, cross_mass=0.3, on_miss="compute")
     report, blobs = engine.precompute_indexes(docs, "sift:block=4:local_mass=0.5:cross_mass=0.3")
     assert (report.misses, report.hits) == (len(docs), 0)  # one pass computed them all
     assert all(isinstance(b, bytes) and 100 < len(b) < 4096 for b in blobs)
@@ -248,10 +251,10 @@ def test_carried_indexes_are_used_and_bad_ones_refused(tiny_engine, monkeypatch)
     assert r2.extra["sift"]["index_rejected"] == 5 and r2.extra["sift"]["index_carried"] == 0
     full = fresh.next_token_logprobs(QUESTION, docs, answer, strategy="full")
     dense = fresh.next_token_logprobs(QUESTION, refused, answer, strategy=make_strategy(
-        "sift", block=4, local_mass=0.5, cross_mass=0.3))
+        "sift", **SPARSE, block=4, local_mass=0.5, cross_mass=0.3))
     torch.testing.assert_close(dense, full, atol=1e-4, rtol=0)  # every document dense: full prefill
     low = fresh.next_token_logprobs(QUESTION, carried, answer, strategy=make_strategy(
-        "sift", block=4, local_mass=0.5, cross_mass=0.3))
+        "sift", **SPARSE, block=4, local_mass=0.5, cross_mass=0.3))
     assert (low - full).abs().max() > 1e-3  # the intact indexes really are sparse: the check above can fail
 
 
@@ -264,6 +267,16 @@ def test_a_carried_index_must_be_bytes():
         FusionEngine.sift_index_bytes(object.__new__(FusionEngine), [("d", "t")], "reuse")
 
 
+def _aimed_at(block: int, n_blocks: int = 10, size: int = 4, d: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [T, 2, d], k [T, 1, d]): each kernel block's keys point one way, and every query at `block`'s keys."""
+    k = torch.zeros(n_blocks * size, 1, d)
+    for blk in range(n_blocks):
+        k[blk * size:(blk + 1) * size, 0, blk % d] = 1.0
+    q = torch.zeros(n_blocks * size, 2, d)
+    q[:, :, block % d] = 30.0
+    return q, k
+
+
 def test_cross_pick_opens_the_blocks_the_queries_aim_at_as_many_as_the_marks():
     # the prompt of the two tests above; doc A's cross mark is its kernel block 2, doc B's is kernel block 5
     a = _index(1, 4, 4, 16, {0: [0], 1: [1], 2: [0, 2], 3: [3]}, [1])
@@ -272,14 +285,8 @@ def test_cross_pick_opens_the_blocks_the_queries_aim_at_as_many_as_the_marks():
     marks = _mask(*sparse_plan(40, 1, docs, 4, "cpu")[:2], 10)
     pick, counts, density = sparse_plan(40, 1, docs, 4, "cpu", cross="pick")
     assert isinstance(pick, CrossPick) and density == sparse_plan(40, 1, docs, 4, "cpu")[2]
-    # keys: one direction per block; every query aims at doc A's kernel block 4 (its last), not the marked block 2
-    d = 8
-    k = torch.zeros(40, 1, d)
-    for blk in range(10):
-        k[blk * 4:(blk + 1) * 4, 0, blk % d] = 1.0
-    q = torch.zeros(40, 2, d)
-    q[:, :, 4 % d] = 30.0
-    lists, cnt = pick.layer(0, q, k)
+    # every query aims at doc A's kernel block 4 (its last), not the marked block 2
+    lists, cnt = pick.layer(0, *_aimed_at(4))
     m = _mask([lists], [cnt], 10)
     assert torch.equal(cnt, counts[0])  # as many blocks per query block as the marks open: the same density
     assert m[7, 4] and not m[7, 2]  # inside doc B, past its window: the aimed-at block replaces the marked one
@@ -299,12 +306,7 @@ def test_local_pick_opens_unmarked_blocks_of_the_own_document_within_the_marks_c
     a = _index(1, 4, 4, 16, {0: [0], 1: [1], 2: [0, 2], 3: [3]}, [1])
     b = _index(1, 4, 4, 16, {0: [0], 1: [1], 2: [2], 3: [1, 3]}, [0])
     docs = [(4, 20, a), (20, 36, b)]
-    d = 8
-    k = torch.zeros(40, 1, d)
-    for blk in range(10):
-        k[blk * 4:(blk + 1) * 4, 0, blk % d] = 1.0
-    q = torch.zeros(40, 2, d)
-    q[:, :, 5 % d] = 30.0
+    q, k = _aimed_at(5)
     marks_cnt = sparse_plan(40, 1, docs, 4, "cpu")[1][0]
     got = {}
     for local, cross in (("marks", "pick"), ("pick", "pick"), ("pick", "marks")):
@@ -325,12 +327,36 @@ def test_cross_pick_with_every_block_open_equals_full_prefill(tiny_engine):
     docs = DOCS + LONG
     answer = engine.generate(QUESTION, docs, strategy="full", max_new_tokens=6).token_ids
     full = engine.next_token_logprobs(QUESTION, docs, answer, strategy="full")
-    every = make_strategy("sift", block=4, local_mass=1.0, cross_mass=1.0, on_miss="compute", cross="pick")
+    every = make_strategy("sift", **SPARSE, block=4, local_mass=1.0, cross_mass=1.0, on_miss="compute", cross="pick")
     torch.testing.assert_close(engine.next_token_logprobs(QUESTION, docs, answer, strategy=every), full,
                                atol=1e-4, rtol=0)
-    kw = dict(block=4, local_mass=0.5, cross_mass=0.3, kernel_block=16, on_miss="compute")
+    kw = dict(block=4, local_mass=0.5, cross_mass=0.3, kernel_block=16, on_miss="compute", **SPARSE)
     marks = engine.next_token_logprobs(QUESTION, docs, answer, strategy=make_strategy("sift", cross="marks", **kw))
     picked = make_strategy("sift", **kw)  # cross="pick", the default
     got = engine.next_token_logprobs(QUESTION, docs, answer, strategy=picked)
     assert picked.report["density"] < 1.0
     assert (got - marks).abs().max() > 1e-4  # other blocks than the marks' were attended
+
+
+def test_sift_attends_densely_where_the_sparse_kernel_would_not_pay(tiny_engine):
+    engine = tiny_engine("llama")
+    full = engine.generate(QUESTION, DOCS, strategy="full", max_new_tokens=4)
+    # the default bound: 4 x the hidden size; this prompt is shorter, so no index is looked up and nothing is sparse
+    assert engine.layout(QUESTION, DOCS).n < 4 * engine.decoder.spec.hidden
+    short = engine.generate(QUESTION, DOCS, strategy="sift", on_miss="compute", max_new_tokens=4)
+    rep = short.extra["sift"]
+    assert rep["sparse"] is False and "min_tokens" in rep["dense_reason"] and rep["density"] == 1.0
+    assert rep["index_computed"] == 0 and len(engine.sift_indexes) == 0 and short.token_ids == full.token_ids
+    docs = DOCS + LONG
+    n = engine.layout(QUESTION, docs).n
+    # long enough, but the plan keeps more of the attention than max_density: dense, the plan's density reported
+    kw = dict(block=4, local_mass=0.5, cross_mass=0.3, on_miss="compute", min_tokens=n, max_new_tokens=4)
+    dense = engine.generate(QUESTION, docs, strategy="sift", max_density=0.05, **kw).extra["sift"]
+    assert dense["sparse"] is False and "max_density" in dense["dense_reason"] and dense["density"] == 1.0
+    assert 0.05 < dense["plan_density"] < 1.0 and dense["index_computed"] == 5
+    sparse = engine.generate(QUESTION, docs, strategy="sift", max_density=1.0, **kw).extra["sift"]
+    assert sparse["sparse"] is True and sparse["density"] == dense["plan_density"] and sparse["index_hits"] == 5
+    with pytest.raises(ValueError, match="max_density"):
+        make_strategy("sift", max_density=0.0)
+    with pytest.raises(ValueError, match="min_tokens"):
+        make_strategy("sift", min_tokens=-1)

@@ -200,14 +200,14 @@ def test_sift_indexes_ride_in_document_metadata_through_a_vector_store(tiny_mode
     try:
         with pytest.raises(ValueError, match="index strategy"):
             KVFusePrecompute(ingest, strategy="sift", compute=False)
-        pre = KVFusePrecompute(ingest, strategy="sift:block=4")
+        pre = KVFusePrecompute(ingest, strategy="sift:block=4:min_tokens=0:max_density=1.0")
         out = pre.transform_documents(DOCS)
         assert all(SIFT_METADATA_KEY not in d.metadata for d in DOCS)  # the inputs are left as they were
         assert [d.page_content for d in out] == [d.page_content for d in DOCS] and pre.last_report.misses == 3
         store = InMemoryVectorStore(DeterministicFakeEmbedding(size=8))
         store.add_documents(out)
         found = store.similarity_search("Who founded the festival?", k=3)
-        chat = ChatKVFuse(engine=serve, strategy="sift:block=4", max_tokens=2)
+        chat = ChatKVFuse(engine=serve, strategy="sift:block=4:min_tokens=0:max_density=1.0", max_tokens=2)
         sift = chat.invoke("Who founded the festival?", documents=found).response_metadata["kvfuse"]["extra"]["sift"]
         assert (sift["index_carried"], sift["index_computed"], sift["index_rejected"]) == (3, 0, 0)
         found[1].metadata[SIFT_METADATA_KEY] = "not base64!"

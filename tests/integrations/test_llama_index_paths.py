@@ -492,6 +492,10 @@ def test_delete_ref_doc_evicts_the_caches(tiny, li_embed_model):
     assert fresh.forget("src-1", index=index) == 0  # already gone
 
 
+# these prompts are tiny: the sparse kernel runs whatever it saves (sift attends densely below its bounds)
+SIFT4, SIFT8 = "sift:block=4:min_tokens=0:max_density=1.0", "sift:block=8:min_tokens=0:max_density=1.0"
+
+
 def test_sift_indexes_ride_in_node_metadata_through_a_persisted_index(tiny_engine, tmp_path):
     from llama_index.core import StorageContext, load_index_from_storage
     from llama_index.core.embeddings import MockEmbedding
@@ -502,7 +506,7 @@ def test_sift_indexes_ride_in_node_metadata_through_a_persisted_index(tiny_engin
     nodes = [TextNode(text=t, metadata={"title": f"passage {i}"}) for i, t in enumerate(TEXTS)]
     views = [(n.get_content(metadata_mode=MetadataMode.LLM), n.get_content(metadata_mode=MetadataMode.EMBED))
              for n in nodes]
-    pre = KVFusePrecompute(ingest, strategy="sift:block=4")
+    pre = KVFusePrecompute(ingest, strategy=SIFT4)
     pre(nodes)
     assert pre.last_report.misses == 3 and ingest.cache_stats()["memory_entries"] <= 1  # indexes, no K/V entries
     for n, (llm_view, embed_view) in zip(nodes, views):
@@ -515,7 +519,7 @@ def test_sift_indexes_ride_in_node_metadata_through_a_persisted_index(tiny_engin
     index = load_index_from_storage(StorageContext.from_defaults(persist_dir=str(tmp_path)), embed_model=embed)
 
     serve = tiny_engine("llama")  # another process's engine: no index store, no cache
-    qe = FusionQueryEngine.from_index(index, engine=serve, similarity_top_k=3, strategy="sift:block=4", max_tokens=2)
+    qe = FusionQueryEngine.from_index(index, engine=serve, similarity_top_k=3, strategy=SIFT4, max_tokens=2)
     sift = qe.query("Who founded the festival?").metadata["kvfuse"]["extra"]["sift"]
     assert (sift["index_carried"], sift["index_computed"], sift["index_rejected"]) == (3, 0, 0)
     assert len(serve.sift_indexes) == 0
@@ -526,9 +530,9 @@ def test_sift_indexes_ride_in_node_metadata_through_a_persisted_index(tiny_engin
     stored.metadata[SIFT_METADATA_KEY] = "A" + stored.metadata[SIFT_METADATA_KEY][1:]
     index.docstore.add_documents([stored], allow_update=True)
     index.vector_store.data.metadata_dict.pop(node_id, None)
-    got = FusionQueryEngine.from_index(index, engine=serve, similarity_top_k=3, strategy="sift:block=4",
+    got = FusionQueryEngine.from_index(index, engine=serve, similarity_top_k=3, strategy=SIFT4,
                                        max_tokens=2).query("Who founded the festival?")
     assert got.metadata["kvfuse"]["extra"]["sift"]["index_rejected"] == 1
-    other = FusionQueryEngine.from_index(index, engine=serve, similarity_top_k=3, strategy="sift:block=8",
+    other = FusionQueryEngine.from_index(index, engine=serve, similarity_top_k=3, strategy=SIFT8,
                                          max_tokens=2).query("Who founded the festival?")
     assert other.metadata["kvfuse"]["extra"]["sift"]["index_rejected"] == 3
