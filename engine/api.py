@@ -144,6 +144,7 @@ class FusionEngine:
         # requests run on the scheduler's thread, decoded together (engine/scheduler.py); other model work takes
         # the engine between two of its iterations (`self.scheduler.exclusive()`)
         self.sift_indexes = IndexStore()  # sift's selective indexes, apart from the K/V caches (engine/sift.py)
+        self.dense_strategy = make_strategy("full")  # what a sift request attending densely prefills as
         self._index_backlog: collections.OrderedDict = collections.OrderedDict()  # key -> (ids, index params)
         # caches a request skipped (cold documents answered by full prefill): key -> (document, ids, strategy)
         self._cache_backlog: collections.OrderedDict = collections.OrderedDict()

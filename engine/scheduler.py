@@ -175,9 +175,12 @@ class Request:
                 raise _NoRoom
             seq = None
             try:
+                run = strat
+                if getattr(strat, "sparse_index", False) and strat.sparse_plan is None:
+                    run = eng.dense_strategy  # sift attending densely: full prefill's path, its graphs included
                 try:
-                    out = eng.prefill_runner(strat).prefill(layout.ids, segs, strat, self.ratio,
-                                                            extra_capacity=reserve, probe_guard=self._probe_guard(first))
+                    out = eng.prefill_runner(run).prefill(layout.ids, segs, run, self.ratio,
+                                                          extra_capacity=reserve, probe_guard=self._probe_guard(first))
                 except ProbeGuardTripped as trip:  # the probe's first token is a near-tie: no fused pass
                     raise _Escalate(trip.margin) from None
                 if first:

@@ -128,8 +128,19 @@ def test_ineligible_requests_take_the_exact_path(engines):
     runs = eng.runner.layout.eager_runs
     eng.generate(QUESTION, DOCS, strategy="cacheblend", recompute_ratio=0.2, max_new_tokens=2,
                  strategy_options={"gradual": True})  # several check layers: not layout-free
-    eng.generate(QUESTION, DOCS, strategy="sift", max_new_tokens=2)  # its sparse plan is per request
+    sparse = eng.generate(QUESTION, DOCS, strategy="sift", max_new_tokens=2, min_tokens=0, max_density=1.0,
+                          on_miss="compute")  # its sparse plan is per request
+    assert sparse.extra["sift"]["sparse"] is True
     assert eng.runner.layout.eager_runs == runs
+
+
+def test_a_sift_request_attending_densely_takes_full_prefills_path(engines):
+    eng, exact = engines[True], engines[False]
+    runs = eng.runner.layout.eager_runs
+    got = eng.generate(QUESTION, DOCS, strategy="sift", max_new_tokens=4)  # a short prompt: dense
+    assert got.extra["sift"]["sparse"] is False
+    assert eng.runner.layout.eager_runs == runs + 1  # the layout-free path, as full takes
+    assert got.token_ids == exact.generate(QUESTION, DOCS, strategy="full", max_new_tokens=4).token_ids
 
 
 @pytest.fixture(scope="module")
