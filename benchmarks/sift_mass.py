@@ -9,6 +9,8 @@ its own document, earlier documents, or glue rows (titles). Beside it, at the sa
 - a whole-row pick from block-mean queries and keys (no index at all).
 A large gap between the plan and the oracle says the plan opens the wrong blocks; the static set says how much of
 that gap any per-document index could close.
+Per head, the mass each head's rows lose to the one list all heads share (the head losing most and least, per
+layer) says how much lists per head could gain.
 
     python benchmarks/sift_mass.py --data ../shared/data --datasets musique,musique_cacheblend --limit 3 \
         --spec sift --spec sift:cross=pick
@@ -67,13 +69,15 @@ def measure(eng: FusionEngine, layout, plan, block: int, chunk: int = 512) -> li
         vf = v.float().repeat_interleave(group, dim=1)
         outs = []
         bmass = torch.zeros(n, nb)  # [row, key block] head-averaged attention
+        hmass = torch.zeros(qr.shape[1], n, nb)  # [head, row, key block]
         for a in range(0, n, chunk):
             b = min(n, a + chunk)
             s = torch.einsum("thd,khd->htk", qr[a:b], kr) * spec.scale
             s = s.masked_fill(torch.arange(n)[None, None, :] > torch.arange(a, b)[None, :, None], float("-inf"))
             pr = torch.softmax(s, dim=-1)
             outs.append(torch.einsum("htk,khd->thd", pr, vf).to(q.dtype))
-            bmass[a:b] = torch.zeros(b - a, nb).index_add_(1, torch.arange(n) // block, pr.mean(0))
+            hmass[:, a:b] = torch.zeros(pr.shape[0], b - a, nb).index_add_(2, torch.arange(n) // block, pr)
+            bmass[a:b] = hmass[:, a:b].mean(0)
         h = dec.finish(i, h, torch.cat(outs))
         lists, counts = plan[0].layer(i, qr.to(q.dtype), apply_rope(k, cos[:n], sin[:n]))
         m = block_masks([lists], [counts], nb)[0]
@@ -122,7 +126,10 @@ def measure(eng: FusionEngine, layout, plan, block: int, chunk: int = 512) -> li
         pooled = torch.zeros(nb, nb, dtype=torch.bool)
         pooled.scatter_(1, torch.argsort(est, dim=1, descending=True), ranks)
         dropped_pooled = rm * (~pooled[qb])
+        per_head = (hmass[:, doc_rows] * (~keep)[None]).sum(2).mean(1)  # [H] mass each head's rows lose
         per_layer.append({
+            "head_max": float(per_head.max()),
+            "head_min": float(per_head.min()),
             "pooled": float(dropped_pooled.sum(1).mean()),
             "static": float(dropped_static.sum(1).mean()),
             "dropped": float(dropped.sum(1).mean()),
@@ -172,7 +179,8 @@ def main() -> int:
                   f"{avg['first_blk']:.3f} on documents' first blocks, {avg['last_blk']:.3f} on their last blocks; "
                   f"the best static cross set of the same size would drop {avg['static']:.3f} there. A query-dependent "
                   f"pick at the same count from block-mean queries and keys drops {avg['pooled']:.3f} in all "
-                  f"(the oracle {avg['oracle']:.3f}, this plan {avg['dropped']:.3f})",
+                  f"(the oracle {avg['oracle']:.3f}, this plan {avg['dropped']:.3f}). Per head (one list for every "
+                  f"head): the head losing most drops {avg['head_max']:.3f}, the one losing least {avg['head_min']:.3f}",
                   flush=True)
     return 0
 
