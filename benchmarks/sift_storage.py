@@ -78,7 +78,6 @@ def main() -> None:
                 dens = []
                 for ex in select_examples(read_jsonl(a.data), datasets=[name], limit=a.prompts, seed=0):
                     layout = eng.layout(ex.question, ex.docs)
-                    strat.sparse_plan = None
                     _, rep = eng._sift_plan(layout, strat)
                     dens.append((layout.n, rep["density"]))
                 print(f"{name}: {len(dens)} prompts, median {statistics.median(d[0] for d in dens):.0f} tokens, "

@@ -144,7 +144,7 @@ class FusionEngine:
         # requests run on the scheduler's thread, decoded together (engine/scheduler.py); other model work takes
         # the engine between two of its iterations (`self.scheduler.exclusive()`)
         self.sift_indexes = IndexStore()  # sift's selective indexes, apart from the K/V caches (engine/sift.py)
-        self.dense_strategy = make_strategy("full")  # what a sift request attending densely prefills as
+        self.dense_strategy = make_strategy("full")  # what a sift request attending densely prefills as (`_reorder`)
         self._index_backlog: collections.OrderedDict = collections.OrderedDict()  # key -> (ids, index params)
         # caches a request skipped (cold documents answered by full prefill): key -> (document, ids, strategy)
         self._cache_backlog: collections.OrderedDict = collections.OrderedDict()
@@ -625,11 +625,12 @@ class FusionEngine:
         with self.scheduler.exclusive(), self.store.hold(), _on_device(self.device):
             doc_ids = self._encode_documents(docs)
             layout, segs, _ = self._prepare(question, docs, strat, doc_ids, reserve=t)
-            layout, segs, _ = self._reorder(question, docs, strat, recompute_ratio, layout, segs, doc_ids, reserve=t)
+            layout, segs, _, run, _ = self._reorder(question, docs, strat, recompute_ratio, layout, segs, doc_ids,
+                                                    reserve=t)
             slab = self.decoding.arena.alloc(layout.n + t)
             if slab is None:
                 raise RuntimeError("the KV arena can't hold this prompt and target now")
-            out = self.prefill_runner(strat).prefill(layout.ids, segs, strat, recompute_ratio, extra_capacity=t)
+            out = self.prefill_runner(run).prefill(layout.ids, segs, run, recompute_ratio, extra_capacity=t)
             rows = [out.logits[None].clone()]
             seq = self.decoding.open(out.pending, slab, t)
             try:
@@ -836,16 +837,24 @@ class FusionEngine:
 
     def _reorder(self, question: str, docs: list[Document], strat: Strategy, ratio: float, layout, segs,
                  doc_ids: list[list[int]] | None = None, reserve: int = 0):
-        """For a strategy with `reorders_documents` (infoflow's reorder): one selection pass over the given order,
-        then the prompt again in the order `strat.document_order` asks for. Returns (layout, segs, seconds)."""
+        """What a request's prefill runs on, once its prompt is laid out: for a strategy with `reorders_documents`
+        (infoflow's reorder) one selection pass over the given order, then the prompt again in the order
+        `strat.document_order` asks for; for one with `compresses_documents` (coinrag) the prompt cut to its
+        nuggets; for one with `sparse_index` (sift) the request's sparse plan.
+
+        Returns (layout, segs, seconds, run, report): `run` is the strategy to prefill with (sift: a copy bound to
+        this request's plan, or the engine's `dense_strategy` when the request attends densely; else `strat`),
+        `report` what the request's result reports under the strategy's name (sift's indexes and density), or
+        None. `strat` itself is never changed: requests may share the instance a caller passed."""
         if getattr(strat, "compresses_documents", False):
-            return self._compress(question, docs, strat, ratio, layout, segs, reserve)
+            return (*self._compress(question, docs, strat, ratio, layout, segs, reserve), strat, None)
         if getattr(strat, "sparse_index", False):
             t0 = time.perf_counter()
-            strat.sparse_plan, strat.report = self._sift_plan(layout, strat, docs)
-            return layout, segs, time.perf_counter() - t0
+            plan, report = self._sift_plan(layout, strat, docs)
+            run = self.dense_strategy if plan is None else strat.bound(plan)  # dense: full's (graphed) path
+            return layout, segs, time.perf_counter() - t0, run, report
         if not getattr(strat, "reorders_documents", False) or len(docs) < 2:
-            return layout, segs, 0.0
+            return layout, segs, 0.0, strat, None
         t0 = time.perf_counter()
         if doc_ids is None:
             doc_ids = [d.tolist() for d in layout.doc_ids]
@@ -853,7 +862,7 @@ class FusionEngine:
         order = reorder_documents(self.prefill_runner(strat), layout, every, list(range(len(docs))), strat, ratio)
         layout, segs, _ = self._prepare(question, [docs[i] for i in order], strat, [doc_ids[i] for i in order],
                                         reserve)
-        return layout, segs, time.perf_counter() - t0
+        return layout, segs, time.perf_counter() - t0, strat, None
 
 
     def _compress(self, question, docs: list[Document], strat: Strategy, ratio: float, layout, segs, reserve: int):
@@ -932,7 +941,8 @@ class FusionEngine:
                             self._index_backlog.popitem(last=False)
                 plan.append((sp.start, sp.end, idx))
             lists, counts, density = sparse_plan(layout.n, n_layers, plan, block, self.device, window=strat.window,
-                                                  cross=strat.cross, local=strat.local)
+                                                  cross=strat.cross, local=strat.local,
+                                                  heads=strat.heads)
         report.update(index_hits=hits, index_computed=computed, index_carried=used, index_rejected=rejected,
                       index_deferred=deferred, density=round(density, 4))
         if density > strat.max_density:  # the sparse kernel would be slower than dense attention

@@ -162,12 +162,13 @@ class Request:
                     doc_ids = eng._encode_documents(self.docs)
                 layout, segs, miss_s = eng._prepare(self.question, self.docs, strat, doc_ids, reserve)
                 self.t_prefill = time.perf_counter()
-                layout, segs, reorder_s = eng._reorder(self.question, self.docs, strat, self.ratio, layout, segs,
-                                                       doc_ids, reserve)
+                layout, segs, reorder_s, run, report = eng._reorder(self.question, self.docs, strat, self.ratio,
+                                                                    layout, segs, doc_ids, reserve)
             else:  # a chat: documents found by content, no reordering (the user's text stays as written)
                 layout, segs, miss_s, found = eng._prepare_chat(self.messages, self.docs, strat, reserve)
+                run, report = strat, None
                 if getattr(strat, "sparse_index", False):  # no sparse plan for a chat: it is prefilled densely
-                    strat.sparse_plan = None
+                    run, report = eng.dense_strategy, {"sparse": False, "dense_reason": "a chat prompt"}
                 self.extra["documents"] = [d.id for d in found]
                 self.t_prefill, reorder_s = time.perf_counter(), 0.0
             slab = decoding.arena.alloc(layout.n + reserve)
@@ -175,9 +176,6 @@ class Request:
                 raise _NoRoom
             seq = None
             try:
-                run = strat
-                if getattr(strat, "sparse_index", False) and strat.sparse_plan is None:
-                    run = eng.dense_strategy  # sift attending densely: full prefill's path, its graphs included
                 try:
                     out = eng.prefill_runner(run).prefill(layout.ids, segs, run, self.ratio,
                                                           extra_capacity=reserve, probe_guard=self._probe_guard(first))
@@ -208,8 +206,8 @@ class Request:
                 set_attributes(sp, ttft_s=self.t_first - self.t_call)
         self.layout, self.miss_s, self.stats = layout, miss_s, (before, after)
         self.selection_s = out.selection_s + reorder_s
-        if getattr(strat, "report", None):  # e.g. sift's indexes and attention density
-            self.extra[strat.name] = dict(strat.report)
+        if report:  # e.g. sift's indexes and attention density
+            self.extra[strat.name] = dict(report)
         self.recomputed = out.recomputed.tolist() if strat.uses_cache else []
         return out
 

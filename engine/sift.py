@@ -39,10 +39,12 @@ from torch import Tensor
 
 from ..kernels.rope import apply_rope
 
-__all__ = ["SiftIndex", "IndexStore", "compute_index", "sparse_plan", "MarkedLists", "CrossPick", "MAGIC"]
+__all__ = ["SiftIndex", "IndexStore", "compute_index", "sparse_plan", "MarkedLists", "CrossPick", "MAGIC",
+           "CROSS_MODES", "HEAD_MODES"]
 
 MAGIC = b"KVFSIFT1"
 CROSS_MODES = ("pick", "marks")  # how a document's queries' blocks are chosen (`sparse_plan`'s `cross` and `local`)
+HEAD_MODES = ("shared", "kv")  # picked blocks: one list for all heads, or a list per KV head (`sparse_plan`'s `heads`)
 
 
 @dataclass
@@ -247,7 +249,7 @@ def _compact(m: Tensor, width: int) -> Tensor:
 
 
 def sparse_plan(n: int, n_layers: int, docs: list[tuple[int, int, SiftIndex | None]], block: int,
-                device, window: int = 0, cross: str = "marks", local: str = "marks"):
+                device, window: int = 0, cross: str = "marks", local: str = "marks", heads: str = "shared"):
     """Per layer (key-block lists [NB, M] int32, counts [NB] int32) for a prompt of `n` tokens; and the density
     (share of the causal block pairs attended, averaged over layers).
 
@@ -269,10 +271,17 @@ def sparse_plan(n: int, n_layers: int, docs: list[tuple[int, int, SiftIndex | No
         local: "marks" (the indexes' local marks); "pick": a document's own blocks beyond the window are chosen per
             request too, in one pool with the picked cross blocks when `cross` is "pick" (each query block opens as
             many blocks in all as the marks would).
+        heads: "shared": the picked blocks are one list for all heads (estimates averaged over KV heads); "kv": each
+            KV head picks its own, as many as the shared list holds (the lists are then [KV, NB, M]; same
+            density). Needs `cross` or `local` "pick".
     """
     for name, mode in (("cross", cross), ("local", local)):
         if mode not in CROSS_MODES:
             raise ValueError(f"{name} must be one of {CROSS_MODES}, got {mode!r}")
+    if heads not in HEAD_MODES:
+        raise ValueError(f"heads must be one of {HEAD_MODES}, got {heads!r}")
+    if heads == "kv" and cross == "marks" and local == "marks":
+        raise ValueError('heads="kv" picks blocks per KV head: it needs cross="pick" or local="pick"')
     device = torch.device(device)
     nb = -(-n // block)
     base, local_m, cross_m, own, earlier = _masks(n, n_layers, docs, block, device, window)
@@ -289,7 +298,8 @@ def sparse_plan(n: int, n_layers: int, docs: list[tuple[int, int, SiftIndex | No
             static = static | marks
         else:
             reachable = reachable | pool
-    return CrossPick(static, (full & ~static).sum(2), reachable, n, block, width), list(cnt.unbind(0)), density
+    return (CrossPick(static, (full & ~static).sum(2), reachable, n, block, width, per_head=heads == "kv"),
+            list(cnt.unbind(0)), density)
 
 
 class MarkedLists(list):
@@ -314,11 +324,17 @@ class CrossPick:
     attention, as many as the cross marks would have opened: block-mean queries (averaged over each KV head's
     group) against block-mean keys, a softmax per head over the causal blocks, averaged over heads. One small
     [kv heads, NB, NB] product and an NB x NB sort per layer, no host read.
+
+    `per_head`: no average over KV heads; each KV head opens its own blocks (as many as the shared list would), and
+    `layer` gives lists [KV, NB, width] and counts [KV, NB] (the kernel's lists per KV head). Measured on the
+    embedded model (benchmarks/sift_mass.py): the heads disagree on where the mass is, so one shared list leaves
+    some heads far more of it than others.
     """
 
-    def __init__(self, static: Tensor, counts: Tensor, reachable: Tensor, n: int, block: int, width: int) -> None:
+    def __init__(self, static: Tensor, counts: Tensor, reachable: Tensor, n: int, block: int, width: int,
+                 per_head: bool = False) -> None:
         self.static, self.counts, self.reachable = static, counts, reachable
-        self.block, self.width = block, width
+        self.block, self.width, self.per_head = block, width, per_head
         nb = static.shape[-1]
         dev = static.device
         rows = torch.bincount(torch.arange(n, device=dev) // block, minlength=nb)
@@ -326,7 +342,8 @@ class CrossPick:
         self.tril = torch.tril(torch.ones(nb, nb, dtype=torch.bool, device=dev))
 
     def layer(self, i: int, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
-        """(lists [NB, width] int32, counts [NB] int32) of layer i, from its rotated q [T, H, D] and k [T, KV, D]."""
+        """(lists [NB, width] int32, counts [NB] int32) of layer i, from its rotated q [T, H, D] and k [T, KV, D]
+        ([KV, NB, width] and [KV, NB] with `per_head`)."""
         nb = self.static.shape[-1]
         kvh, d = k.shape[1], k.shape[2]
         pad = nb * self.block - q.shape[0]
@@ -338,14 +355,18 @@ class CrossPick:
         group = q.shape[1] // kvh
         bq = block_mean(q.unflatten(1, (kvh, group)).sum(2, dtype=torch.float32) / group)  # each KV head's group
         est = torch.einsum("qhd,khd->hqk", bq, block_mean(k)) * (d ** -0.5)
-        est = torch.softmax(est.masked_fill(~self.tril, float("-inf")), -1).mean(0)  # [NB, NB]
+        est = torch.softmax(est.masked_fill(~self.tril, float("-inf")), -1)  # [KV, NB, NB]
+        if not self.per_head:
+            est = est.mean(0, keepdim=True)
         open_ = self.reachable & ~self.static[i]
         est = est.masked_fill(~open_, -1.0)
-        order = torch.argsort(est, dim=1, descending=True)
-        take = torch.arange(nb, device=q.device)[None, :] < self.counts[i][:, None]
-        pick = torch.zeros_like(open_).scatter_(1, order, take) & open_
-        m = self.static[i] | pick
-        return _compact(m, self.width), m.sum(1, dtype=torch.int32)
+        order = torch.argsort(est, dim=-1, descending=True)
+        take = (torch.arange(nb, device=q.device)[None, :] < self.counts[i][:, None]).expand_as(order)
+        pick = torch.zeros(order.shape, dtype=torch.bool, device=q.device).scatter_(-1, order, take) & open_
+        m = self.static[i] | pick  # [KV or 1, NB, NB]
+        if not self.per_head:
+            m = m[0]
+        return _compact(m, self.width), m.sum(-1, dtype=torch.int32)
 
 
 class IndexStore:

@@ -9,6 +9,8 @@ attend only to the keys of the key blocks listed for b:
 - block_lists [NB, M] int32/int64, NB = ceil(T / block_size): row b holds the key blocks of query block b, strictly
   ascending, in its first ``block_counts[b]`` entries; the rest of the row is padding (any value, never read).
 - block_counts [NB] int32/int64: 1 <= block_counts[b] <= M.
+- Or lists per KV head: block_lists [Hkv, NB, M] and block_counts [Hkv, NB]; the q heads of KV head g (GQA) read
+  row [g, b]. Same rules per head.
 - The diagonal block b must be listed in row b (every query then sees at least itself). Listed blocks after b are
   allowed and change nothing: within listed blocks attention is causal by row index, key j is visible to query i
   iff j <= i and the block of j is listed for the block of i. Keys of unlisted blocks are never seen.
@@ -41,52 +43,64 @@ def _check_block_size(block_size) -> None:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
 
 
-def check_block_lists(block_lists: torch.Tensor, block_counts: torch.Tensor, n_blocks: int) -> None:
+def check_block_lists(block_lists: torch.Tensor, block_counts: torch.Tensor, n_blocks: int,
+                      n_kv_heads: int | None = None) -> None:
     """The lists of ``n_blocks`` query blocks: shapes and dtypes, then their values (one host sync on CUDA).
 
-    Raises ValueError unless block_lists is [n_blocks, M] int32/int64, block_counts [n_blocks] int32/int64 on the
-    same device, every count in [1, M], every listed entry in [0, n_blocks), strictly ascending, and every row b
-    lists its diagonal block b.
+    Raises ValueError unless block_lists is [n_blocks, M] (or [n_kv_heads, n_blocks, M]: lists per KV head)
+    int32/int64, block_counts [n_blocks] (or [n_kv_heads, n_blocks]) int32/int64 on the same device, every count
+    in [1, M], every listed entry in [0, n_blocks), strictly ascending, and every row b lists its diagonal block b.
+    `n_kv_heads` None: the head count of 3-D lists is not checked.
     """
     if not isinstance(block_lists, torch.Tensor) or not isinstance(block_counts, torch.Tensor):
         raise ValueError("block_lists and block_counts must be tensors")
-    if block_lists.dim() != 2 or block_lists.shape[0] != n_blocks or block_lists.dtype not in _INDEX_DTYPES:
-        raise ValueError(f"block_lists must be [NB={n_blocks}, M] int32/int64, got {tuple(block_lists.shape)} "
-                         f"{block_lists.dtype}")
-    if tuple(block_counts.shape) != (n_blocks,) or block_counts.dtype not in _INDEX_DTYPES:
-        raise ValueError(f"block_counts must be [NB={n_blocks}] int32/int64, got {tuple(block_counts.shape)} "
-                         f"{block_counts.dtype}")
+    per_head = block_lists.dim() == 3
+    heads = block_lists.shape[0] if per_head else None
+    if (block_lists.dim() not in (2, 3) or block_lists.shape[-2] != n_blocks or block_lists.dtype not in _INDEX_DTYPES
+            or (per_head and n_kv_heads is not None and heads != n_kv_heads)):
+        raise ValueError(f"block_lists must be [NB={n_blocks}, M] or [Hkv, NB={n_blocks}, M] (Hkv: the kv heads"
+                         f"{'' if n_kv_heads is None else f', {n_kv_heads}'}) int32/int64, got "
+                         f"{tuple(block_lists.shape)} {block_lists.dtype}")
+    lead = (heads,) if per_head else ()
+    if tuple(block_counts.shape) != (*lead, n_blocks) or block_counts.dtype not in _INDEX_DTYPES:
+        raise ValueError(f"block_counts must be [{f'Hkv={heads}, ' if per_head else ''}NB={n_blocks}] int32/int64 (a "
+                         f"count per row of block_lists), got {tuple(block_counts.shape)} {block_counts.dtype}")
     if block_lists.device != block_counts.device:
         raise ValueError(f"block_lists and block_counts must share one device, got {block_lists.device} and "
                          f"{block_counts.device}")
     if n_blocks == 0:
         return
-    m = block_lists.shape[1]
-    lists = block_lists.long()
-    counts = block_counts.long()
+    m = block_lists.shape[-1]
+    lists = block_lists.long().reshape(-1, m)                                   # [heads * NB, M]
+    counts = block_counts.long().reshape(-1)
     cols = torch.arange(m, device=lists.device)
-    valid = cols[None, :] < counts[:, None]                                    # [NB, M] listed entries
-    rows = torch.arange(n_blocks, device=lists.device)
+    valid = cols[None, :] < counts[:, None]                                    # listed entries
+    rows = torch.arange(lists.shape[0], device=lists.device) % n_blocks        # each row's query block
     bad_count = (counts < 1) | (counts > m)
     bad_range = (valid & ((lists < 0) | (lists >= n_blocks))).any(1)
     bad_order = (valid[:, 1:] & (lists[:, 1:] <= lists[:, :-1])).any(1) if m > 1 else torch.zeros_like(bad_count)
     no_diag = ~(valid & (lists == rows[:, None])).any(1)
     flags = torch.stack([bad_count.any(), bad_range.any(), bad_order.any(), no_diag.any()]).tolist()  # one sync
+
+    def where(r: int) -> str:
+        return f"{'' if not per_head else f'kv head {r // n_blocks} '}row {r % n_blocks}"
+
+    def row(r: int) -> str:
+        return f"{lists[r, :int(counts[r])].tolist()}"
+
     if flags[0]:
-        b = int(bad_count.nonzero()[0, 0])
-        raise ValueError(f"block_counts must be in [1, M={m}], got {int(counts[b])} for query block {b}")
+        r = int(bad_count.nonzero()[0, 0])
+        raise ValueError(f"block_counts must be in [1, M={m}], got {int(counts[r])} for {where(r).replace('row', 'query block')}")
     if flags[1]:
-        b = int(bad_range.nonzero()[0, 0])
-        raise ValueError(f"block_lists row {b} lists a key block outside [0, NB={n_blocks}): "
-                         f"{lists[b, :int(counts[b])].tolist()}")
+        r = int(bad_range.nonzero()[0, 0])
+        raise ValueError(f"block_lists {where(r)} lists a key block outside [0, NB={n_blocks}): {row(r)}")
     if flags[2]:
-        b = int(bad_order.nonzero()[0, 0])
-        raise ValueError(f"block_lists row {b} must be strictly ascending in its first block_counts[{b}] entries, "
-                         f"got {lists[b, :int(counts[b])].tolist()}")
+        r = int(bad_order.nonzero()[0, 0])
+        raise ValueError(f"block_lists {where(r)} must be strictly ascending in its first block_counts entries, "
+                         f"got {row(r)}")
     if flags[3]:
-        b = int(no_diag.nonzero()[0, 0])
-        raise ValueError(f"block_lists row {b} must list its diagonal block {b}, got "
-                         f"{lists[b, :int(counts[b])].tolist()}")
+        r = int(no_diag.nonzero()[0, 0])
+        raise ValueError(f"block_lists {where(r)} must list its diagonal block {r % n_blocks}, got {row(r)}")
 
 
 def check_inputs(q, k, v, block_lists, block_counts, block_size) -> None:
@@ -107,7 +121,7 @@ def check_inputs(q, k, v, block_lists, block_counts, block_size) -> None:
     if len(devices) != 1:
         raise ValueError(f"block_sparse_attention inputs must share one device, got {sorted(map(str, devices))}")
     _check_block_size(block_size)
-    check_block_lists(block_lists, block_counts, _n_blocks(t, block_size))
+    check_block_lists(block_lists, block_counts, _n_blocks(t, block_size), k.shape[1])
 
 
 def dense_block_lists(n_blocks: int, device: torch.device | str | None = None
@@ -124,31 +138,33 @@ def dense_block_lists(n_blocks: int, device: torch.device | str | None = None
 
 def mask_from_block_lists(block_lists: torch.Tensor, block_counts: torch.Tensor, block_size: int, t: int
                           ) -> torch.Tensor:
-    """The dense [T, T] bool mask of the lists: ``mask[i, j]`` iff j <= i and the key block of j is listed for
-    the query block of i (the lists are checked first, see `check_block_lists`)."""
+    """The dense [T, T] bool mask of the lists ([Hkv, T, T] for lists per KV head): ``mask[i, j]`` iff j <= i and
+    the key block of j is listed for the query block of i (the lists are checked first, see `check_block_lists`)."""
     _check_block_size(block_size)
     check_block_lists(block_lists, block_counts, _n_blocks(t, block_size))
     return _mask(block_lists, block_counts, block_size, t)
 
 
 def _mask(block_lists, block_counts, block_size, t):
-    """`mask_from_block_lists` on lists already checked."""
+    """`mask_from_block_lists` on lists already checked ([..., NB, M] lists give [..., T, T])."""
     nb = _n_blocks(t, block_size)
     device = block_lists.device
-    m = block_lists.shape[1]
-    valid = torch.arange(m, device=device)[None, :] < block_counts.long()[:, None]
+    m = block_lists.shape[-1]
+    valid = torch.arange(m, device=device) < block_counts.long()[..., None]
     cols = torch.where(valid, block_lists.long(), nb)                         # padding -> a dropped column
-    listed = torch.zeros((nb, nb + 1), dtype=torch.bool, device=device)
-    listed.scatter_(1, cols, True)
+    listed = torch.zeros((*block_lists.shape[:-1], nb + 1), dtype=torch.bool, device=device)
+    listed.scatter_(-1, cols, True)
     blk = torch.arange(t, device=device) // block_size
     pos = torch.arange(t, device=device)
-    return listed[blk[:, None], blk[None, :]] & (pos[None, :] <= pos[:, None])
+    return listed[..., blk[:, None], blk[None, :]] & (pos[None, :] <= pos[:, None])
 
 
 def block_sparse_attention_reference(q, k, v, block_lists, block_counts, block_size, scale):
     """Pure torch (also the CPU path): the dense mask of the lists, one masked SDPA call with GQA."""
     check_inputs(q, k, v, block_lists, block_counts, block_size)
-    mask = _mask(block_lists, block_counts, block_size, q.shape[0])  # [T, T]
+    mask = _mask(block_lists, block_counts, block_size, q.shape[0])  # [T, T] or [Hkv, T, T]
+    if mask.dim() == 3:  # lists per KV head: each q head reads its KV head's mask
+        mask = mask.repeat_interleave(q.shape[1] // k.shape[1], dim=0)
     return token_major_sdpa(q, k, v, scale, attn_mask=mask)
 
 
@@ -173,8 +189,9 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
 
     Args:
         q: [T, Hq, D] queries, RoPE applied. k: [T, Hkv, D] keys, RoPE applied. v: [T, Hkv, D] values.
-        block_lists: [NB, M] key blocks of each query block, strictly ascending, padded at the end.
-        block_counts: [NB] listed entries per row (>= 1; the diagonal block must be among them).
+        block_lists: [NB, M] key blocks of each query block, strictly ascending, padded at the end; or
+            [Hkv, NB, M]: lists per KV head.
+        block_counts: [NB] (or [Hkv, NB]) listed entries per row (>= 1; the diagonal block must be among them).
         block_size: rows per block (a power of two >= 16 for the triton backend). scale: softmax scale.
         backend: None (the rule in ``dispatch``), ``"triton"`` or ``"torch"``.
     Returns:

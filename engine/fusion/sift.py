@@ -6,7 +6,9 @@ prefill then calls the block-sparse kernel instead of dense causal attention. Th
 """
 from __future__ import annotations
 
-from ..sift import CROSS_MODES
+import copy
+
+from ..sift import CROSS_MODES, HEAD_MODES
 from .base import SelectContext, Strategy, register
 
 
@@ -22,7 +24,7 @@ class Sift(Strategy):
 
     def __init__(self, block: int = 16, local_mass: float = 0.8, cross_mass: float = 0.5,
                  kernel_block: int | None = None, on_miss: str = "dense", window: int = 0,
-                 cross: str = "pick", local: str = "marks", max_density: float = 0.5,
+                 cross: str = "pick", local: str = "marks", heads: str = "shared", max_density: float = 0.5,
                  min_tokens: int | None = None) -> None:
         """
         Args:
@@ -46,6 +48,8 @@ class Sift(Strategy):
                 indexes' local marks. "pick": chosen per request like the cross blocks; with cross="pick" the two
                 share one pool (as many blocks per query block as the marks would open, wherever the estimate puts
                 them).
+            heads: "shared" (default): picked blocks are one list for every head; "kv": each KV head picks its own
+                (the same count; lists per KV head in the kernel). Needs cross or local "pick".
             max_density / min_tokens: when the sparse kernel runs. A request whose plan keeps more than `max_density`
                 of the causal block pairs, or whose prompt has fewer than `min_tokens` tokens (None: 4 x the model's
                 hidden size), attends densely: a full prefill's cost and answer, reported in `extra["sift"]` as
@@ -70,6 +74,10 @@ class Sift(Strategy):
         for name, mode in (("cross", cross), ("local", local)):
             if mode not in CROSS_MODES:
                 raise ValueError(f"{name} must be one of {CROSS_MODES}, got {mode!r}")
+        if heads not in HEAD_MODES:
+            raise ValueError(f"heads must be one of {HEAD_MODES}, got {heads!r}")
+        if heads == "kv" and cross == "marks" and local == "marks":
+            raise ValueError('heads="kv" picks blocks per KV head: it needs cross="pick" or local="pick"')
         if int(block) < 1:
             raise ValueError(f"block must be >= 1, got {block}")
         if kernel_block is not None and (int(kernel_block) < 16 or int(kernel_block) & (int(kernel_block) - 1)):
@@ -82,10 +90,17 @@ class Sift(Strategy):
         self.window = int(window)
         self.cross = cross
         self.local = local
+        self.heads = heads
         self.max_density = float(max_density)
         self.min_tokens = None if min_tokens is None else int(min_tokens)
-        self.sparse_plan = None  # set by the engine per request: (lists per layer, counts per layer, kernel block)
-        self.report: dict = {}
+        self.sparse_plan = None  # set on a request's own copy (`bound`): (per-layer lists, counts, kernel block)
+
+    def bound(self, plan) -> "Sift":
+        """This strategy for one request: a copy holding the request's sparse plan (what the runner reads). The
+        instance a caller passes is never changed, so concurrent requests may share it."""
+        run = copy.copy(self)
+        run.sparse_plan = plan
+        return run
 
     def index_params(self) -> str:
         """What an index depends on besides the document (part of its key)."""

@@ -1,7 +1,7 @@
 """Triton block-sparse causal attention of a whole prompt (flash-attention forward over listed key blocks).
 
 Grid (NB * CHUNKS, Hkv): a program owns one query block, one chunk of its packed (query, q head) rows and one kv
-head. GQA is packed as in `attention.py`: row r of a block is query ``b * BLOCK_SIZE + r // GROUP`` with q head
+head, and reads that query block's list (the kv head's own with lists per KV head). GQA is packed as in `attention.py`: row r of a block is query ``b * BLOCK_SIZE + r // GROUP`` with q head
 ``hk * GROUP + r % GROUP``, so each K/V tile is loaded once for all the q heads that read it; a block's
 BLOCK_SIZE * GROUP rows are cut in CHUNKS chunks of BLOCK_M rows.
 
@@ -71,7 +71,7 @@ def _tile(acc, l_i, m_i, q, qi, n0, T, k_base, v_base, s_kt, s_vt, qk_scale,
 
 @triton.jit
 def _block_sparse_fwd_kernel(Q, K, V, LISTS, N_BEFORE, OUT, T, qk_scale,
-                             s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_ot, s_oh, s_lb,
+                             s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_ot, s_oh, s_lh, s_lb, s_nh,
                              GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, CHUNKS: tl.constexpr,
                              D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                              DOT_F32: tl.constexpr, PRECISION: tl.constexpr, EMULATE_RNE: tl.constexpr):
@@ -96,9 +96,9 @@ def _block_sparse_fwd_kernel(Q, K, V, LISTS, N_BEFORE, OUT, T, qk_scale,
     k_base = K + hk * s_kh
     v_base = V + hk * s_vh
     SUBS: tl.constexpr = BLOCK_SIZE // BLOCK_N                              # key tiles per block
-    n_tiles = tl.load(N_BEFORE + b) * SUBS
+    n_tiles = tl.load(N_BEFORE + hk * s_nh + b) * SUBS                      # (s_lh = s_nh = 0: lists shared by heads)
     for j in range(0, n_tiles):                                             # listed blocks before the diagonal
-        kb = tl.load(LISTS + b * s_lb + j // SUBS).to(tl.int32)
+        kb = tl.load(LISTS + hk * s_lh + b * s_lb + j // SUBS).to(tl.int32)
         n0 = kb * BLOCK_SIZE + (j % SUBS) * BLOCK_N
         acc, l_i, m_i = _tile(acc, l_i, m_i, q, qi, n0, T, k_base, v_base, s_kt, s_vt, qk_scale,
                               D, D_PAD, BLOCK_N, False, DOT_F32, PRECISION)
@@ -151,14 +151,15 @@ def launch(q, k, v, block_lists, block_counts, block_size, scale, **overrides):
     cfg = plan(t, hq, hkv, block_size, d, q.dtype, **overrides)
     nb = cfg["n_blocks"]
     lists = block_lists.contiguous()
-    m = lists.shape[1]
+    per_head = lists.dim() == 3
+    m = lists.shape[-1]
     idx = torch.arange(nb, device=q.device)
-    valid = torch.arange(m, device=q.device)[None, :] < block_counts.long()[:, None]
-    n_before = (valid & (lists.long() < idx[:, None])).sum(1, dtype=torch.int32)   # listed blocks before b
+    valid = torch.arange(m, device=q.device) < block_counts.long()[..., None]
+    n_before = (valid & (lists.long() < idx[:, None])).sum(-1, dtype=torch.int32)  # listed blocks before b
     _block_sparse_fwd_kernel[(nb * cfg["chunks"], hkv)](
         q, k, v, lists, n_before, out, t, float(scale) * LOG2E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        lists.stride(0),
+        lists.stride(0) if per_head else 0, lists.stride(-2), n_before.stride(0) if per_head else 0,
         GROUP=hq // hkv, BLOCK_SIZE=block_size, CHUNKS=cfg["chunks"], D=d, D_PAD=max(16, triton.next_power_of_2(d)),
         BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], DOT_F32=dot_in_fp32(q.dtype),
         PRECISION=dot_precision(q.dtype), EMULATE_RNE=emulate_rne(),

@@ -39,10 +39,10 @@ def _prefill(engine, strategy, ratio, docs=DOCS, segs_hook=None, **opts):
     strat = make_strategy(strategy, **opts)
     docs = as_documents(docs)
     layout, segs, _ = engine._prepare(QUESTION, docs, strat)
-    layout, segs, _ = engine._reorder(QUESTION, docs, strat, ratio, layout, segs)
+    layout, segs, _, run, _ = engine._reorder(QUESTION, docs, strat, ratio, layout, segs)
     if segs_hook:
         segs = segs_hook(segs)
-    return layout, engine.runner.prefill(layout.ids, segs, strat, ratio, extra_capacity=0)
+    return layout, engine.runner.prefill(layout.ids, segs, run, ratio, extra_capacity=0)
 
 
 @pytest.mark.parametrize("family", ["qwen2", "llama3"])

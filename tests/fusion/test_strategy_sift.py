@@ -22,6 +22,11 @@ LONG = [("l1", "The western ridge holds three abandoned copper mines, worked fro
                "dispute with the university over the funding of a new telescope dome.")]
 
 
+def _density(engine, docs, strat) -> float:
+    """The attention density a request with these documents reports (`extra["sift"]`)."""
+    return engine.generate(QUESTION, docs, strategy=strat, max_new_tokens=1).extra["sift"]["density"]
+
+
 def test_full_marks_equal_full_prefill(tiny_engine):
     engine = tiny_engine("llama")
     docs = DOCS + LONG
@@ -33,14 +38,14 @@ def test_full_marks_equal_full_prefill(tiny_engine):
     sparse = make_strategy("sift", **SPARSE, block=4, local_mass=0.5, cross_mass=0.3, kernel_block=16,
                            on_miss="compute")
     low = engine.next_token_logprobs(QUESTION, docs, answer, strategy=sparse)
-    assert sparse.report["density"] < 1.0
+    assert _density(engine, docs, sparse) < 1.0
     assert (low - full).abs().max() > 1e-3  # attention really dropped: the comparison above can fail
     # the same sparse marks with a dense window over the whole prompt: every causal pair again, full's numbers
     wide = make_strategy("sift", **SPARSE, block=4, local_mass=0.5, cross_mass=0.3, kernel_block=16, on_miss="compute",
                          window=100_000)
     torch.testing.assert_close(engine.next_token_logprobs(QUESTION, docs, answer, strategy=wide), full,
                                atol=1e-4, rtol=0)
-    assert wide.report["density"] == 1.0
+    assert _density(engine, docs, wide) == 1.0
 
 
 def test_generation_reports_indexes_and_reuses_them(tiny_engine):
@@ -322,6 +327,31 @@ def test_local_pick_opens_unmarked_blocks_of_the_own_document_within_the_marks_c
         make_strategy("sift:local=oracle")
 
 
+def test_picks_per_kv_head_follow_each_heads_own_queries():
+    # the prompt above; two KV heads whose keys point the same way per block; KV head 0's queries aim at doc A's
+    # kernel block 4, KV head 1's at its block 2
+    a = _index(1, 4, 4, 16, {0: [0], 1: [1], 2: [0, 2], 3: [3]}, [1])
+    b = _index(1, 4, 4, 16, {0: [0], 1: [1], 2: [2], 3: [1, 3]}, [0])
+    docs = [(4, 20, a), (20, 36, b)]
+    (q0, k1), (q1, _) = _aimed_at(4), _aimed_at(2)
+    q, k = torch.cat([q0, q1], 1), torch.cat([k1, k1], 1)  # [T, 4, d]: heads 0-1 read KV head 0, heads 2-3 KV head 1
+    shared = sparse_plan(40, 1, docs, 4, "cpu", cross="pick")[0].layer(0, q, k)
+    plan, counts, _ = sparse_plan(40, 1, docs, 4, "cpu", cross="pick", heads="kv")
+    lists, cnt = plan.layer(0, q, k)
+    assert lists.shape[:2] == (2, 10) and cnt.shape == (2, 10)
+    assert torch.equal(cnt, counts[0].expand(2, -1))  # each head as many blocks as the shared list: same density
+    per_head = [_mask([lists[h]], [cnt[h]], 10) for h in range(2)]
+    assert per_head[0][7, 4] and not per_head[0][7, 2]  # inside doc B past its window: each head its own block
+    assert per_head[1][7, 2] and not per_head[1][7, 4]
+    one = _mask([shared[0]], [shared[1]], 10)
+    assert one[7, 2] != one[7, 4]  # the shared list holds one of the two for both heads
+    assert (per_head[0] | per_head[1] | ~one).all() and not torch.equal(per_head[0], per_head[1])
+    with pytest.raises(ValueError, match="heads"):
+        make_strategy("sift:heads=q")
+    with pytest.raises(ValueError, match='heads="kv".*pick'):
+        make_strategy("sift:heads=kv:cross=marks")
+
+
 def test_cross_pick_with_every_block_open_equals_full_prefill(tiny_engine):
     engine = tiny_engine("llama")
     docs = DOCS + LONG
@@ -334,8 +364,16 @@ def test_cross_pick_with_every_block_open_equals_full_prefill(tiny_engine):
     marks = engine.next_token_logprobs(QUESTION, docs, answer, strategy=make_strategy("sift", cross="marks", **kw))
     picked = make_strategy("sift", **kw)  # cross="pick", the default
     got = engine.next_token_logprobs(QUESTION, docs, answer, strategy=picked)
-    assert picked.report["density"] < 1.0
+    assert _density(engine, docs, picked) < 1.0
     assert (got - marks).abs().max() > 1e-4  # other blocks than the marks' were attended
+    every_kv = make_strategy("sift", **SPARSE, block=4, local_mass=1.0, cross_mass=1.0, on_miss="compute",
+                             cross="pick", local="pick", heads="kv")
+    torch.testing.assert_close(engine.next_token_logprobs(QUESTION, docs, answer, strategy=every_kv), full,
+                               atol=1e-4, rtol=0)  # lists per KV head with every block open: full prefill
+    per_head = make_strategy("sift", heads="kv", **kw)
+    got_kv = engine.next_token_logprobs(QUESTION, docs, answer, strategy=per_head)
+    assert _density(engine, docs, per_head) == _density(engine, docs, picked)  # as many blocks, per KV head
+    assert (got_kv - got).abs().max() > 1e-4
 
 
 def test_sift_attends_densely_where_the_sparse_kernel_would_not_pay(tiny_engine):
@@ -360,3 +398,23 @@ def test_sift_attends_densely_where_the_sparse_kernel_would_not_pay(tiny_engine)
         make_strategy("sift", max_density=0.0)
     with pytest.raises(ValueError, match="min_tokens"):
         make_strategy("sift", min_tokens=-1)
+
+
+def test_a_sift_instance_shared_by_requests_is_never_changed(tiny_engine):
+    """Each request's plan lives on its own copy: the instance a caller passes (and may share between requests,
+    threads or engines) keeps no plan or report, so no request can read another's."""
+    import copy
+
+    engine = tiny_engine("llama")
+    strat = make_strategy("sift", **SPARSE, block=4, local_mass=0.5, cross_mass=0.3, kernel_block=16,
+                          on_miss="compute")
+    before = copy.deepcopy(vars(strat))
+    long = engine.generate(QUESTION, DOCS + LONG, strategy=strat, max_new_tokens=2)
+    short = engine.generate(QUESTION, DOCS[:1], strategy=strat, max_new_tokens=2)
+    chat = engine.chat([{"role": "user", "content": f"{DOCS[0][1]}\n\n{QUESTION}"}], DOCS[:1], strategy=strat,
+                       max_new_tokens=2)
+    assert vars(strat).keys() == before.keys() and strat.sparse_plan is None
+    assert all(vars(strat)[k] == v for k, v in before.items() if k != "sparse_plan")
+    assert long.extra["sift"]["sparse"] and long.extra["sift"]["density"] < 1.0
+    assert short.extra["sift"]["density"] != long.extra["sift"]["density"]  # each request its own report
+    assert chat.extra["documents"] == [DOCS[0][0]] and chat.extra["sift"]["sparse"] is False  # a chat: dense

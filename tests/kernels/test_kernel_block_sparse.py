@@ -57,7 +57,8 @@ def _attention64(q, k, v, mask, scale):
     kd = k.cpu().double().repeat_interleave(group, dim=1).transpose(0, 1)
     vd = v.cpu().double().repeat_interleave(group, dim=1).transpose(0, 1)
     scores = (qd @ kd.transpose(1, 2)) * scale
-    scores = scores.masked_fill(~mask.cpu()[None], float("-inf"))
+    mask = mask.cpu()[None] if mask.dim() == 2 else mask.cpu().repeat_interleave(group, dim=0)  # per KV head
+    scores = scores.masked_fill(~mask, float("-inf"))
     return (torch.softmax(scores, dim=-1) @ vd).transpose(0, 1)
 
 
@@ -123,6 +124,46 @@ def test_dropping_a_listed_block_changes_exactly_its_query_block():
     assert not torch.allclose(out.double(), truth, atol=1e-3)
 
 
+def _per_head_lists(n_blocks, heads, seed):
+    """[heads, NB, M] lists (each head its own random sparse rows, padded to one width) and [heads, NB] counts."""
+    made = [_sparse_lists(n_blocks, seed=seed + h, pad=h) for h in range(heads)]
+    width = max(lists.shape[1] for lists, _ in made)
+    lists = torch.stack([torch.nn.functional.pad(lists, (0, width - lists.shape[1]), value=-3) for lists, _ in made])
+    return lists, torch.stack([c for _, c in made])
+
+
+@pytest.mark.parametrize("t,hq,hkv,block_size", [(70, 4, 2, 16), (100, 6, 3, 16), (37, 2, 2, 16)])
+def test_lists_per_kv_head_give_each_group_its_own_mask(t, hq, hkv, block_size):
+    q, k, v = _qkv(t, hq, hkv, 16, seed=t)
+    lists, counts = _per_head_lists(_n_blocks(t, block_size), hkv, seed=t)
+    assert not all(torch.equal(lists[0], lists[h]) for h in range(hkv))        # really different per head
+    mask = torch.stack([_mask_by_hand(lists[h], counts[h], block_size, t) for h in range(hkv)])
+    truth = _attention64(q, k, v, mask, 0.3)
+    got = block_sparse_attention_reference(q, k, v, lists, counts, block_size, 0.3)
+    torch.testing.assert_close(got.double(), truth, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(mask_from_block_lists(lists, counts, block_size, t), mask)
+    shared = block_sparse_attention_reference(q, k, v, lists[0], counts[0], block_size, 0.3)
+    group = hq // hkv
+    torch.testing.assert_close(got[:, :group], shared[:, :group])              # head 0's group: head 0's lists
+    assert not torch.allclose(got[:, group:], shared[:, group:], atol=1e-3)     # the others: their own
+
+
+def test_bad_per_head_lists_are_refused():
+    q, k, v = _qkv(37, 4, 2, 16)
+    lists, counts = _per_head_lists(3, 2, seed=0)
+    for args, match in (((lists[:1], counts[:1]), r"block_lists must be .*kv heads, 2"),
+                        ((lists, counts[0]), r"block_counts must be \[Hkv=2, NB=3\]"),
+                        ((lists, counts[:, :2]), r"block_counts must be \[Hkv=2, NB=3\]")):
+        with pytest.raises(ValueError, match=match):
+            block_sparse_attention(q, k, v, *args, 16, 0.3, backend="torch")
+    no_diag = lists.clone()
+    no_diag[1, 2, :int(counts[1, 2])] = torch.arange(int(counts[1, 2]))  # head 1, row 2: 0, 1, .. (no 2 if short)
+    counts2 = counts.clone()
+    counts2[1, 2] = 2
+    with pytest.raises(ValueError, match="kv head 1 row 2 must list its diagonal block 2"):
+        block_sparse_attention(q, k, v, no_diag, counts2, 16, 0.3, backend="torch")
+
+
 # --- triton (interpreter on CPU, the GPU with CUDA) ---------------------------------------------------------------
 
 TRITON_CASES = [  # (T, Hq, Hkv, D, block_size, lists, overrides)
@@ -132,12 +173,16 @@ TRITON_CASES = [  # (T, Hq, Hkv, D, block_size, lists, overrides)
     (69, 2, 2, 8, 32, "sparse", {}),                        # head_dim padding, two key tiles per block
     (65, 4, 2, 16, 16, "future", dict(block_m=16)),         # two row chunks per block; later blocks listed
     (1, 4, 2, 16, 16, "dense", {}),
+    (70, 4, 2, 16, 16, "per_head", {}),                     # lists per KV head
+    (65, 6, 3, 16, 16, "per_head", dict(block_m=16)),       # per KV head, padded rows, two chunks per block
 ]
 
 
-def _lists_for(kind, nb, seed):
+def _lists_for(kind, nb, seed, heads=1):
     if kind == "dense":
         return dense_block_lists(nb)
+    if kind == "per_head":
+        return _per_head_lists(nb, heads, seed)
     return _sparse_lists(nb, seed=seed, future=kind == "future", dtype=torch.int32 if seed % 2 else torch.int64)
 
 
@@ -147,13 +192,15 @@ def test_triton_matches_reference(case, triton_device):
 
     t, hq, hkv, d, block_size, kind, overrides = case
     q, k, v = _qkv(t, hq, hkv, d, seed=t)
-    lists, counts = _lists_for(kind, _n_blocks(t, block_size), seed=t)
+    lists, counts = _lists_for(kind, _n_blocks(t, block_size), seed=t, heads=hkv)
     want = block_sparse_attention_reference(q, k, v, lists, counts, block_size, 0.3)
     dev = [x.to(triton_device) for x in (q, k, v, lists, counts)]
     got = block_sparse_attention_triton(*dev, block_size, 0.3, **overrides)
     assert got.shape == (t, hq, d) and got.dtype == q.dtype and got.device.type == triton_device.type
     torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
-    truth = _attention64(q, k, v, _mask_by_hand(lists, counts, block_size, t), 0.3)
+    mask = (_mask_by_hand(lists, counts, block_size, t) if lists.dim() == 2 else
+            torch.stack([_mask_by_hand(lists[h], counts[h], block_size, t) for h in range(hkv)]))
+    truth = _attention64(q, k, v, mask, 0.3)
     torch.testing.assert_close(got.cpu().double(), truth, rtol=1e-4, atol=1e-4)
 
 
