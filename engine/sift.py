@@ -327,8 +327,9 @@ class CrossPick:
 
     `per_head`: no average over KV heads; each KV head opens its own blocks (as many as the shared list would), and
     `layer` gives lists [KV, NB, width] and counts [KV, NB] (the kernel's lists per KV head). Measured on the
-    embedded model (benchmarks/sift_mass.py): the heads disagree on where the mass is, so one shared list leaves
-    some heads far more of it than others.
+    embedded model (benchmarks/sift_mass.py, docs/quality/sift_coinrag.md): one shared list leaves some heads far
+    more mass than others, but lists picked per KV head from this estimate drop as much mass in all and raise KL
+    to full prefill ~3x, so the shared list is the default.
     """
 
     def __init__(self, static: Tensor, counts: Tensor, reachable: Tensor, n: int, block: int, width: int,
