@@ -55,7 +55,7 @@ def main() -> None:
 
         eng = FusionEngine.from_pretrained(a.model, device="cpu", disk_cache=False, adapter=None,
                                            prompt=PROMPT_PRESETS["qa"])  # the eval's prompt
-        strat = make_strategy("sift", block=a.block, min_tokens=0, max_density=1.0)
+        strat = make_strategy("sift", block=a.block, min_tokens=0, max_density=1.0, on_miss="compute")
         seen, rows = set(), []
         from kvfuse.engine.types import as_documents
 
