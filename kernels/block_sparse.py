@@ -90,7 +90,8 @@ def check_block_lists(block_lists: torch.Tensor, block_counts: torch.Tensor, n_b
 
     if flags[0]:
         r = int(bad_count.nonzero()[0, 0])
-        raise ValueError(f"block_counts must be in [1, M={m}], got {int(counts[r])} for {where(r).replace('row', 'query block')}")
+        at = where(r).replace("row", "query block")
+        raise ValueError(f"block_counts must be in [1, M={m}], got {int(counts[r])} for {at}")
     if flags[1]:
         r = int(bad_range.nonzero()[0, 0])
         raise ValueError(f"block_lists {where(r)} lists a key block outside [0, NB={n_blocks}): {row(r)}")

@@ -1,7 +1,8 @@
 """Triton block-sparse causal attention of a whole prompt (flash-attention forward over listed key blocks).
 
 Grid (NB * CHUNKS, Hkv): a program owns one query block, one chunk of its packed (query, q head) rows and one kv
-head, and reads that query block's list (the kv head's own with lists per KV head). GQA is packed as in `attention.py`: row r of a block is query ``b * BLOCK_SIZE + r // GROUP`` with q head
+head, and reads that query block's list (the kv head's own with lists per KV head). GQA is packed as in
+`attention.py`: row r of a block is query ``b * BLOCK_SIZE + r // GROUP`` with q head
 ``hk * GROUP + r % GROUP``, so each K/V tile is loaded once for all the q heads that read it; a block's
 BLOCK_SIZE * GROUP rows are cut in CHUNKS chunks of BLOCK_M rows.
 
