@@ -191,7 +191,9 @@ def test_killed_replica_fails_over(replicas, tiny_llama_dir):
 
     victim = launch(tiny_llama_dir, *REPLICA_ARGS)
     survivor = replicas[0]
-    router = launch_router([survivor.url, victim.url], "--health-interval", "0.5")
+    # polls 5 s apart: the first request after the kill must be the one that finds the replica dead (with 0.5 s a
+    # poll landed between the kill and that request in a CI run of 2026-12-05, so no retry was counted)
+    router = launch_router([survivor.url, victim.url], "--health-interval", "5")
     try:
         ring = HashRing([survivor.url, victim.url])
         docs = _corpus("failover", 12)
@@ -222,7 +224,7 @@ def test_killed_replica_fails_over(replicas, tiny_llama_dir):
         assert [r["healthy"] for r in health["replicas"]] == [True, False]
         metrics = httpx.get(f"{router.url}/metrics").text
         assert 'kvfuse_router_retries_total{reason="unreachable"}' in metrics
-        time.sleep(1.2)  # health polls keep it out
+        time.sleep(5.5)  # a health poll has run since, and keeps it out
         assert httpx.get(f"{router.url}/health").json()["healthy_replicas"] == 1
     finally:
         router.stop()
