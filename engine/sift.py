@@ -40,7 +40,7 @@ from torch import Tensor
 from ..kernels.rope import apply_rope
 
 __all__ = ["SiftIndex", "IndexStore", "compute_index", "sparse_plan", "MarkedLists", "CrossPick", "MAGIC",
-           "CROSS_MODES", "HEAD_MODES"]
+           "CROSS_MODES", "HEAD_MODES", "check_modes"]
 
 MAGIC = b"KVFSIFT1"
 CROSS_MODES = ("pick", "marks")  # how a document's queries' blocks are chosen (`sparse_plan`'s `cross` and `local`)
@@ -248,6 +248,17 @@ def _compact(m: Tensor, width: int) -> Tensor:
     return out[..., :width].contiguous()
 
 
+def check_modes(cross: str, local: str, heads: str) -> None:
+    """How a plan picks its blocks (`sparse_plan`'s and `Sift`'s cross / local / heads): a ValueError if invalid."""
+    for name, mode in (("cross", cross), ("local", local)):
+        if mode not in CROSS_MODES:
+            raise ValueError(f"{name} must be one of {CROSS_MODES}, got {mode!r}")
+    if heads not in HEAD_MODES:
+        raise ValueError(f"heads must be one of {HEAD_MODES}, got {heads!r}")
+    if heads == "kv" and cross == "marks" and local == "marks":
+        raise ValueError('heads="kv" picks blocks per KV head: it needs cross="pick" or local="pick"')
+
+
 def sparse_plan(n: int, n_layers: int, docs: list[tuple[int, int, SiftIndex | None]], block: int,
                 device, window: int = 0, cross: str = "marks", local: str = "marks", heads: str = "shared"):
     """Per layer (key-block lists [NB, M] int32, counts [NB] int32) for a prompt of `n` tokens; and the density
@@ -275,13 +286,7 @@ def sparse_plan(n: int, n_layers: int, docs: list[tuple[int, int, SiftIndex | No
             KV head picks its own, as many as the shared list holds (the lists are then [KV, NB, M]; same
             density). Needs `cross` or `local` "pick".
     """
-    for name, mode in (("cross", cross), ("local", local)):
-        if mode not in CROSS_MODES:
-            raise ValueError(f"{name} must be one of {CROSS_MODES}, got {mode!r}")
-    if heads not in HEAD_MODES:
-        raise ValueError(f"heads must be one of {HEAD_MODES}, got {heads!r}")
-    if heads == "kv" and cross == "marks" and local == "marks":
-        raise ValueError('heads="kv" picks blocks per KV head: it needs cross="pick" or local="pick"')
+    check_modes(cross, local, heads)
     device = torch.device(device)
     nb = -(-n // block)
     base, local_m, cross_m, own, earlier = _masks(n, n_layers, docs, block, device, window)

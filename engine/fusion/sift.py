@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 
-from ..sift import CROSS_MODES, HEAD_MODES
+from ..sift import check_modes
 from .base import SelectContext, Strategy, register
 
 
@@ -73,13 +73,7 @@ class Sift(Strategy):
             raise ValueError(f"min_tokens must be >= 0 (or None), got {min_tokens}")
         if int(window) < 0:
             raise ValueError(f"window must be >= 0 tokens, got {window}")
-        for name, mode in (("cross", cross), ("local", local)):
-            if mode not in CROSS_MODES:
-                raise ValueError(f"{name} must be one of {CROSS_MODES}, got {mode!r}")
-        if heads not in HEAD_MODES:
-            raise ValueError(f"heads must be one of {HEAD_MODES}, got {heads!r}")
-        if heads == "kv" and cross == "marks" and local == "marks":
-            raise ValueError('heads="kv" picks blocks per KV head: it needs cross="pick" or local="pick"')
+        check_modes(cross, local, heads)
         if int(block) < 1:
             raise ValueError(f"block must be >= 1, got {block}")
         if kernel_block is not None and (int(kernel_block) < 16 or int(kernel_block) & (int(kernel_block) - 1)):
