@@ -8,6 +8,12 @@ For one dev prompt, with sift's marks (cross="marks", so the plans are fixed by 
    the largest absolute difference, per block size.
 
     python benchmarks/sift_plan_check.py --data ../shared/data --example musique_cacheblend-032 --layers 0,5,12,23
+
+`--masks` instead times, on this CPU, why the torch reference runs lists per KV head as one SDPA call per KV head:
+one masked SDPA call with a [T, T] mask, with a [Hq, T, T] mask, and split per KV head (random bf16 q, k, v; the
+embedded model's 14 q / 2 kv heads, head dim 64).
+
+    python benchmarks/sift_plan_check.py --masks --tokens 4096
 """
 from __future__ import annotations
 
@@ -20,6 +26,7 @@ from kvfuse.engine.fusion import make_strategy
 from kvfuse.engine.prompt import PROMPT_PRESETS
 from kvfuse.evaluation.data import read_jsonl
 from kvfuse.kernels.block_sparse import block_sparse_attention_reference
+from kvfuse.kernels.causal import token_major_sdpa
 from kvfuse.kernels.rope import apply_rope
 
 
@@ -47,13 +54,43 @@ def masked_attention(q, k, v, pairs, scale, chunk: int = 256) -> torch.Tensor:
 
 
 @torch.inference_mode()
+def time_masks(t: int, hq: int = 14, hkv: int = 2, d: int = 64) -> None:
+    import time
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(t, h, d, generator=g).to(torch.bfloat16) for h in (hq, hkv, hkv))
+    mask = (torch.rand(hkv, t, t, generator=g) < 0.5) | torch.eye(t, dtype=torch.bool)
+    mask &= torch.tril(torch.ones(t, t, dtype=torch.bool))
+    group = hq // hkv
+    runs = {
+        "one [T, T] mask (shared lists)": lambda: token_major_sdpa(q, k, v, 0.125, attn_mask=mask[0]),
+        "one [Hq, T, T] mask": lambda: token_major_sdpa(q, k, v, 0.125, attn_mask=mask.repeat_interleave(group, 0)),
+        "a call per KV head": lambda: torch.cat([token_major_sdpa(
+            q[:, g_ * group:(g_ + 1) * group], k[:, g_:g_ + 1], v[:, g_:g_ + 1], 0.125, attn_mask=mask[g_])
+            for g_ in range(hkv)], 1),
+    }
+    for name, fn in runs.items():
+        fn()
+        t0 = time.perf_counter()
+        fn()
+        print(f"{t} tokens, {name}: {time.perf_counter() - t0:.3f} s")
+
+
+@torch.inference_mode()
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--data", required=True)
+    ap.add_argument("--data")
+    ap.add_argument("--masks", action="store_true", help="time the CPU's masked SDPA calls instead")
+    ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--example", default="musique_cacheblend-032")
     ap.add_argument("--layers", default="0,5,12,23")
     ap.add_argument("--blocks", default="16,64", help="kernel block sizes, smaller first")
     args = ap.parse_args()
+    if args.masks:
+        time_masks(args.tokens)
+        return 0
+    if not args.data:
+        ap.error("--data is needed (or --masks)")
     ex = next((e for e in read_jsonl(args.data) if e.id == args.example), None)
     if ex is None:
         raise SystemExit(f"no example {args.example!r} in {args.data}")

@@ -167,7 +167,7 @@ def block_sparse_attention_reference(q, k, v, block_lists, block_counts, block_s
     if mask.dim() == 2:
         return token_major_sdpa(q, k, v, scale, attn_mask=mask)
     # lists per KV head: one call per KV head and its q heads, each with its [T, T] mask (a [Hq, T, T] mask takes
-    # SDPA's slow path on the CPU: 12x slower at 4k tokens, 14 q heads)
+    # SDPA's slow path on the CPU: `python benchmarks/sift_plan_check.py --masks`)
     group = q.shape[1] // k.shape[1]
     return torch.cat([token_major_sdpa(q[:, g * group:(g + 1) * group], k[:, g:g + 1], v[:, g:g + 1], scale,
                                        attn_mask=mask[g]) for g in range(k.shape[1])], dim=1)

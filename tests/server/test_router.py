@@ -145,10 +145,11 @@ def _balanced_tag(urls: list[str], workload: list[list[int]], base: str) -> str:
     The ring hashes the replicas' URLs, whose ports are new every run. With 40 documents under Zipf popularity,
     some rings give one replica most of the hot set, whose cache then thrashes: a CI run of 2026-12-04 (57 of 60
     requests on one replica) and one of 2026-12-05 (the first tag splitting mentions 40-60%, 60 requests) saw
-    affinity at 0.60-0.61 against round robin's 0.56. An LRU model of the two caches over 300 random rings puts
-    affinity's lead at 0.06-0.19 with the most even of 200 tags and 120 requests (as low as 0.015 with the first
-    tag at 40-60% and 60 requests). The claim tested is the balanced one; such skew is a property of two
-    replicas and a tiny hot set, not of the policy."""
+    affinity at 0.60-0.61 against round robin's 0.56. An LRU model of the two caches over 300 random rings
+    (`python benchmarks/router_affinity_model.py`, 12 documents per cache) puts affinity's lead under 0.05 in 3
+    rings (min 0.000) with the first tag at 40-60% and 60 requests, in 1 (min 0.042; median 0.128) with the most
+    even of 200 tags and 120 requests; real runs lead by 0.15-0.20. The claim tested is the balanced one; such skew
+    is a property of two replicas and a tiny hot set, not of the policy."""
     from collections import Counter
 
     from kvfuse.server.router import HashRing
