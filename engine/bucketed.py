@@ -358,7 +358,7 @@ class LayoutGraphs:
             view_rows = torch.where(seen, rows[inp.view.clamp_min(0)], rows[0])
             view_pos = torch.where(seen, inp.view, h.nb)
         else:
-            view_rows, view_pos = rows, kv_pos
+            view_rows, view_pos = rows, None  # slot p is position p (the kernels compute it)
         rope = (cos[act], sin[act])
         x = dec.embed_tokens(inp.ids[act.clamp_min(0)])
         probes = {}
@@ -370,7 +370,7 @@ class LayoutGraphs:
             scatter_rows(vp, dst, v)
             qr = apply_rope(q, *rope)
             if i in layers:
-                att = attention_scores(qr, act, kp, rows, kv_pos, cos, sin, spec.scale)   # [M, N]
+                att = attention_scores(qr, act, kp, rows, None, cos, sin, spec.scale)   # [M, N]
                 probes[i] = torch.where(valid[:, None] & cand[None, :], att, 0.0)
             if i < max(layers) or h.gap:
                 x = dec.finish(i, x, fused_attention(qr, act, kp, vp, view_rows, view_pos, cos, sin, spec.scale))
@@ -412,7 +412,7 @@ class LayoutGraphs:
                 else:  # the last layer's attention, output projection and MLP for that row alone
                     qr = apply_rope(q.index_select(0, end), cos[end], sin[end])
                     x = dec.finish(i, x.index_select(0, end),
-                                   fused_attention(qr, end, kr, v, None, kv_pos, None, None, spec.scale))
+                                   fused_attention(qr, end, kr, v, None, None, None, None, spec.scale))
             logits = dec.logits(x)[0].float()
             return logits, fresh, kv_pos, None
         cand = inp.cand > 0
@@ -441,7 +441,7 @@ class LayoutGraphs:
                 end = inp.scalars[1:2]
                 qa, xa, pos = q.index_select(0, end), x.index_select(0, end), act.index_select(0, end)
             qr = apply_rope(qa, cos[pos], sin[pos])
-            x = dec.finish(i, xa, fused_attention(qr, pos, kp, vp, rows, kv_pos, cos, sin, spec.scale))
+            x = dec.finish(i, xa, fused_attention(qr, pos, kp, vp, rows, None, cos, sin, spec.scale))
             if i == check:
                 rows, dst = self._rows(pool, inp, act, h.nb)
         logits = dec.logits(x)[0].float()

@@ -233,14 +233,14 @@ class Decoding:
         cos, sin = r.rope(p + t)
         pos = torch.arange(p, p + t, device=dev)
         rows = seq.row_map[p:p + t]
-        kv_rows, kv_pos = seq.row_map[:p + t], torch.arange(p + t, device=dev)
+        kv_rows = seq.row_map[:p + t]  # position j is the sequence's j-th row (kv_pos None below)
         c, s = cos[p:p + t], sin[p:p + t]
         h = dec.embed_tokens(ids.to(dev))
         for i in range(spec.n_layers):
             q, k, v = dec.project(i, h)
             pool.k[i].index_copy_(0, rows, k)
             pool.v[i].index_copy_(0, rows, v)
-            o = fused_attention(apply_rope(q, c, s), pos, pool.k[i], pool.v[i], kv_rows, kv_pos, cos, sin,
+            o = fused_attention(apply_rope(q, c, s), pos, pool.k[i], pool.v[i], kv_rows, None, cos, sin,
                                 spec.scale)
             h = dec.finish(i, h, o)
         seq.length = p + t

@@ -408,8 +408,10 @@ class Runner:
 
                 full_rows = src.base_rows.clone()
                 full_rows[active] = src.scratch_rows[active]
-                probes[i] = attention_scores(qr, active, kpool, full_rows, kv_pos, cos, sin, spec.scale)
-            o = fused_attention(qr, active, kpool, vpool, rows, pos_all, cos, sin, spec.scale)
+                # slot p holds position p: kv_pos None
+                probes[i] = attention_scores(qr, active, kpool, full_rows, None, cos, sin, spec.scale)
+            o = fused_attention(qr, active, kpool, vpool, rows,
+                                None if rows is not None and probe_keys is None else pos_all, cos, sin, spec.scale)
             h = finish(i, h, o)
             src.done_with(i)
         captured = DocKV(torch.stack(cap_k), torch.stack(cap_v)) if capture is not None else None

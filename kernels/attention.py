@@ -5,13 +5,16 @@
 - q [M, Hq, D]: queries, RoPE already applied; q_pos [M] int64 their absolute positions.
 - k, v [R, Hkv, D]: a pool of rows (e.g. cached documents used in place); k holds keys BEFORE RoPE.
 - kv_rows [N] int64: the pool rows to attend to, in any order (None: rows 0..N-1).
-- kv_pos [N] int64: the absolute position of each of those keys; RoPE at kv_pos is applied to the keys as they
+- kv_pos [N] int64: the absolute position of each of those keys (None: key j sits at position j, N being
+  len(kv_rows), or the pool's rows when kv_rows is None too); RoPE at kv_pos is applied to the keys as they
   are read (deferred RoPE: the cache itself is never rotated or copied; with many query rows the Triton path
   rotates the attended keys once into a transient per-call buffer instead of once per query block, with the same
   bits). cos/sin [P, D] are tables indexed by position, in HF's layout (both halves of a row equal; model dtype
   saves bandwidth, results are the same); cos=None means the keys are already rotated.
 - Mask: key j is visible to query i iff ``kv_pos[j] <= q_pos[i]``. This is NOT a bottom-right aligned causal
   mask: a recomputed token in the middle of the prompt sees only keys at or before its own position.
+  With kv_pos None (the fused prefills' case: slot p holds position p) the Triton kernels compute each key's
+  position and the keys a query block can see instead of reading kv_pos and searching it in every program.
 - GQA: Hq % Hkv == 0, q head h reads kv head ``h // (Hq // Hkv)``.
 - Softmax accumulates in fp32; the output has q's dtype. A query that sees no key gets zeros.
 """
@@ -23,7 +26,8 @@ import torch.nn.functional as F
 from .dispatch import choose_backend
 from .rope import rope_in_dtype
 
-__all__ = ["fused_attention", "fused_attention_reference", "fused_attention_triton", "gather_keys"]
+__all__ = ["fused_attention", "fused_attention_reference", "fused_attention_triton", "gather_keys", "key_count",
+           "positions"]
 
 
 def check_inputs(q, q_pos, k, v, kv_rows, kv_pos, cos, sin):
@@ -45,9 +49,14 @@ def check_inputs(q, q_pos, k, v, kv_rows, kv_pos, cos, sin):
         raise ValueError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {None if v is None else v.dtype}")
     if q_pos.dim() != 1 or q_pos.numel() != m:
         raise ValueError(f"q_pos must be [M={m}], got {tuple(q_pos.shape)}")
-    if kv_pos.dim() != 1:
+    if kv_pos is None:  # key j at position j: N from the rows attended to
+        if kv_rows is not None and kv_rows.dim() != 1:
+            raise ValueError(f"kv_rows must be [N], got {tuple(kv_rows.shape)}")
+        n = kv_rows.numel() if kv_rows is not None else k.shape[0]
+    elif kv_pos.dim() != 1:
         raise ValueError(f"kv_pos must be [N], got {tuple(kv_pos.shape)}")
-    n = kv_pos.numel()
+    else:
+        n = kv_pos.numel()
     if kv_rows is not None:
         if tuple(kv_rows.shape) != (n,):
             raise ValueError(f"kv_rows must be [N={n}], got {tuple(kv_rows.shape)}")
@@ -65,7 +74,21 @@ def check_inputs(q, q_pos, k, v, kv_rows, kv_pos, cos, sin):
         for name, table in (("cos", cos), ("sin", sin)):
             if table.dim() != 2 or table.shape[1] != d:
                 raise ValueError(f"{name} must be [positions, head_dim={d}], got {tuple(table.shape)}")
-    return q_pos.long(), kv_rows, kv_pos.long()
+    return q_pos.long(), kv_rows, None if kv_pos is None else kv_pos.long()
+
+
+def key_count(k: torch.Tensor, kv_rows: torch.Tensor | None, kv_pos: torch.Tensor | None) -> int:
+    """N: the number of keys attended to."""
+    if kv_pos is not None:
+        return kv_pos.numel()
+    return kv_rows.numel() if kv_rows is not None else k.shape[0]
+
+
+def positions(k: torch.Tensor, kv_rows: torch.Tensor | None, kv_pos: torch.Tensor | None) -> torch.Tensor:
+    """kv_pos as a tensor: the given one, or 0..N-1 when None (key j at position j)."""
+    if kv_pos is not None:
+        return kv_pos
+    return torch.arange(key_count(k, kv_rows, None), device=k.device)
 
 
 def gather_keys(k: torch.Tensor, kv_rows: torch.Tensor | None, kv_pos: torch.Tensor,
@@ -107,6 +130,7 @@ def fused_attention_reference(q, q_pos, k, v, kv_rows, kv_pos, cos, sin, scale):
     and the absolute-position mask; the mask is dropped or replaced by ``is_causal`` when equivalent.
     """
     q_pos, kv_rows, kv_pos = check_inputs(q, q_pos, k, v, kv_rows, kv_pos, cos, sin)
+    kv_pos = positions(k, kv_rows, kv_pos)
     m, hq, d = q.shape
     n = kv_pos.numel()
     if m == 0 or n == 0:
@@ -141,7 +165,7 @@ def fused_attention_triton(q, q_pos, k, v, kv_rows, kv_pos, cos, sin, scale):
 
 
 def fused_attention(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    kv_rows: torch.Tensor | None, kv_pos: torch.Tensor, cos: torch.Tensor | None,
+                    kv_rows: torch.Tensor | None, kv_pos: torch.Tensor | None, cos: torch.Tensor | None,
                     sin: torch.Tensor | None, scale: float, *, backend: str | None = None) -> torch.Tensor:
     """Attention of q over the selected pool rows, RoPE applied to keys on load, masked by absolute position.
 
@@ -151,7 +175,8 @@ def fused_attention(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: to
         k: [R, Hkv, D] key pool, BEFORE RoPE (or already rotated when cos is None).
         v: [R, Hkv, D] value pool.
         kv_rows: [N] int64 pool rows to attend to, any order; None for rows 0..N-1.
-        kv_pos: [N] int64 absolute positions of those keys.
+        kv_pos: [N] int64 absolute positions of those keys; None when key j sits at position j (N = len(kv_rows),
+            or the pool's rows R with kv_rows None too): the same result, without reading or searching positions.
         cos: [P, D] cos table indexed by position (halves duplicated), or None.
         sin: [P, D] sin table, or None.
         scale: softmax scale (usually head_dim ** -0.5).

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention import check_inputs, gather_keys
+from .attention import check_inputs, gather_keys, positions
 from .dispatch import choose_backend
 
 __all__ = ["attention_scores", "attention_scores_reference", "attention_scores_triton"]
@@ -23,6 +23,7 @@ _REFERENCE_CHUNK_BYTES = 64 * 2**20
 def attention_scores_reference(q, q_pos, k, kv_rows, kv_pos, cos, sin, scale):
     """Pure-torch attention scores (also the CPU path): fp32 scores per kv-head group, softmax, mean over heads."""
     q_pos, kv_rows, kv_pos = check_inputs(q, q_pos, k, None, kv_rows, kv_pos, cos, sin)
+    kv_pos = positions(k, kv_rows, kv_pos)
     m, hq, d = q.shape
     hkv = k.shape[1]
     group = hq // hkv
@@ -58,7 +59,7 @@ def attention_scores_triton(q, q_pos, k, kv_rows, kv_pos, cos, sin, scale):
 
 
 def attention_scores(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, kv_rows: torch.Tensor | None,
-                     kv_pos: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, scale: float, *,
+                     kv_pos: torch.Tensor | None, cos: torch.Tensor | None, sin: torch.Tensor | None, scale: float, *,
                      backend: str | None = None) -> torch.Tensor:
     """Softmax probabilities of each query over the keys, averaged over q heads.
 
@@ -67,7 +68,8 @@ def attention_scores(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, kv_r
         q_pos: [M] int64 absolute positions.
         k: [R, Hkv, D] key pool, before RoPE (already rotated when cos is None).
         kv_rows: [N] int64 pool rows, any order; None for rows 0..N-1.
-        kv_pos: [N] int64 key positions; key j visible to query i iff ``kv_pos[j] <= q_pos[i]``.
+        kv_pos: [N] int64 key positions; key j visible to query i iff ``kv_pos[j] <= q_pos[i]``. None: key j at
+            position j (N = len(kv_rows), or R with kv_rows None), as in `fused_attention`.
         cos: [P, D] table indexed by position, or None.
         sin: [P, D] table, or None.
         scale: softmax scale.

@@ -16,7 +16,9 @@ RoPE of the keys, two ways with identical bits (HF's rounding, see `common.rope_
   kernel was the slower part. Both copies are transient (the size of the attended K / V of one layer).
 
 When `kv_pos` is sorted (checked and searched inside the kernel), a row block stops at the last key any of its
-queries can see, and the keys that all its queries see are scanned without the mask. Heavy (late) row blocks
+queries can see, and the keys that all its queries see are scanned without the mask. When kv_pos is None (key j at
+position j: the fused prefills) positions and bounds are computed, not read: the in-kernel sortedness scan and
+binary searches (a chain of dependent loads in every program) are skipped. Heavy (late) row blocks
 are launched first. With few row blocks (question rows only) the keys are split across programs
 (flash-decoding) and a second small kernel merges the partial softmaxes.
 """
@@ -28,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..attention import key_count, positions
 from .common import (FAR_POSITION, LOG2E, dot_in_fp32, dot_precision, emulate_rne, half_pad, key_bounds,
                      load_halves_rotated, round_to, search_steps, sort_block, tile_mask, unit_last_stride)
 from .rope import gather_rotated
@@ -42,12 +45,14 @@ def _attend_tile(acc, l_i, m_i, q1, q2, qpos, n0, stop, k_base, v_base, ROWS, KP
                  s_kr, s_vr, s_cos, s_sin, qk_scale,
                  HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_N: tl.constexpr, HAS_ROWS: tl.constexpr,
                  K_GATHER: tl.constexpr, ROPE: tl.constexpr, MASKED: tl.constexpr, DOT_F32: tl.constexpr,
-                 PRECISION: tl.constexpr, EMULATE_RNE: tl.constexpr):
+                 PRECISION: tl.constexpr, EMULATE_RNE: tl.constexpr, POS_IS_INDEX: tl.constexpr):
     """One key tile [n0, n0 + BLOCK_N) of the online softmax; keys at or past `stop` are padding."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, 2 * HALF_PAD)
     n_ok = offs_n < stop
-    if MASKED or ROPE:
+    if POS_IS_INDEX:                                                        # key j at position j: nothing to read
+        kpos = tl.where(n_ok, offs_n.to(tl.int64), FAR_POSITION)
+    elif MASKED or ROPE:
         kpos = tl.load(KPOS + offs_n, mask=n_ok, other=FAR_POSITION)
     else:
         kpos = offs_n                                                       # unused: no mask, no rotation
@@ -95,7 +100,7 @@ def _attn_fwd_kernel(Q, QPOS, K, V, ROWS, KPOS, COS, SIN, OUT, PART_ACC, PART_ML
                      GROUP: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, SORT_BLOCK: tl.constexpr,
                      HAS_ROWS: tl.constexpr, K_GATHER: tl.constexpr, ROPE: tl.constexpr, DOT_F32: tl.constexpr,
-                     PRECISION: tl.constexpr, EMULATE_RNE: tl.constexpr):
+                     PRECISION: tl.constexpr, EMULATE_RNE: tl.constexpr, POS_IS_INDEX: tl.constexpr):
     pid_r = tl.num_programs(0) - 1 - tl.program_id(0)                     # late (heavy) row blocks first
     hk = tl.program_id(1)
     split = tl.program_id(2)
@@ -123,7 +128,11 @@ def _attn_fwd_kernel(Q, QPOS, K, V, ROWS, KPOS, COS, SIN, OUT, PART_ACC, PART_ML
     # the keys this program scans: [start, stop) of the ones visible to the block, cut in SPLITS tile ranges;
     # the tiles before `full` are visible to every query of the block and skip the mask
     qmin = tl.min(tl.where(r_ok, qpos, FAR_POSITION), 0)
-    n_full, n_end = key_bounds(KPOS, N, qmin, tl.max(qpos, 0), SEARCH_STEPS, SORT_BLOCK)
+    if POS_IS_INDEX:  # keys 0..qmin seen by every query of the block, none past qmax
+        n_full = tl.minimum(tl.maximum(qmin + 1, 0), N).to(tl.int32)
+        n_end = tl.minimum(tl.maximum(tl.max(qpos, 0) + 1, 0), N).to(tl.int32)
+    else:
+        n_full, n_end = key_bounds(KPOS, N, qmin, tl.max(qpos, 0), SEARCH_STEPS, SORT_BLOCK)
     per_split = tl.cdiv(tl.cdiv(n_end, BLOCK_N), SPLITS)
     start = split * per_split * BLOCK_N
     stop = tl.minimum(n_end, start + per_split * BLOCK_N)
@@ -137,11 +146,11 @@ def _attn_fwd_kernel(Q, QPOS, K, V, ROWS, KPOS, COS, SIN, OUT, PART_ACC, PART_ML
     for n0 in range(start, full, BLOCK_N):
         acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q1, q2, qpos, n0, stop, k_base, v_base, ROWS, KPOS, COS, SIN,
                                      s_kr, s_vr, s_cos, s_sin, qk_scale, HALF, HALF_PAD, BLOCK_N, HAS_ROWS,
-                                     K_GATHER, ROPE, False, DOT_F32, PRECISION, EMULATE_RNE)
+                                     K_GATHER, ROPE, False, DOT_F32, PRECISION, EMULATE_RNE, POS_IS_INDEX)
     for n0 in range(tl.maximum(start, full), stop, BLOCK_N):
         acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q1, q2, qpos, n0, stop, k_base, v_base, ROWS, KPOS, COS, SIN,
                                      s_kr, s_vr, s_cos, s_sin, qk_scale, HALF, HALF_PAD, BLOCK_N, HAS_ROWS,
-                                     K_GATHER, ROPE, True, DOT_F32, PRECISION, EMULATE_RNE)
+                                     K_GATHER, ROPE, True, DOT_F32, PRECISION, EMULATE_RNE, POS_IS_INDEX)
 
     d_ok = offs_d < 2 * HALF
     if SPLITS == 1:
@@ -260,7 +269,7 @@ def launch(q, q_pos, k, v, kv_rows, kv_pos, cos, sin, scale, **overrides):
     m, hq, d = q.shape
     hkv = k.shape[1]
     group = hq // hkv
-    n = kv_pos.numel()
+    n = key_count(k, kv_rows, kv_pos)
     out = torch.empty((m, hq, d), dtype=q.dtype, device=q.device)
     if m == 0:
         return out
@@ -271,10 +280,11 @@ def launch(q, q_pos, k, v, kv_rows, kv_pos, cos, sin, scale, **overrides):
     cfg = plan(m, hq, hkv, n, d, q.dtype, q.device, rope=rope, **overrides)
     bm, bn, blocks, splits, prerotate = cfg["block_m"], cfg["block_n"], cfg["blocks"], cfg["splits"], cfg["prerotate"]
     q_pos = q_pos.contiguous()
-    kv_pos = kv_pos.contiguous()
+    by_index = kv_pos is None
+    kv_pos = q_pos if by_index else kv_pos.contiguous()  # placeholder pointer when positions are indices
     keys, s_kr, s_kh = k, k.stride(0), k.stride(1)
     if prerotate:
-        keys = gather_rotated(k, kv_rows, kv_pos, cos, sin)                 # [Hkv, N, D]
+        keys = gather_rotated(k, kv_rows, positions(k, kv_rows, None) if by_index else kv_pos, cos, sin)  # [Hkv, N, D]
         s_kr, s_kh = keys.stride(1), keys.stride(0)
     if cfg["gather_values"] and kv_rows is not None and prerotate:
         v = torch.index_select(v, 0, kv_rows)                               # [N, Hkv, D]: rows 0..N-1
@@ -296,7 +306,7 @@ def launch(q, q_pos, k, v, kv_rows, kv_pos, cos, sin, scale, **overrides):
         GROUP=group, HALF=d // 2, HALF_PAD=hp, BLOCK_M=bm, BLOCK_N=bn, SPLITS=splits, SORT_BLOCK=sort_block(n),
         HAS_ROWS=kv_rows is not None, K_GATHER=not prerotate, ROPE=rope and not prerotate,
         DOT_F32=dot_in_fp32(q.dtype), PRECISION=dot_precision(q.dtype), EMULATE_RNE=interpreting,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        POS_IS_INDEX=by_index, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if splits > 1:
         merge_bm = min(32, triton.next_power_of_2(m))

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..attention import key_count, positions
 from .attention import pick_splits
 from .common import (FAR_POSITION, LOG2E, dot_in_fp32, dot_precision, emulate_rne,
                      half_pad, load_halves_rotated, search_steps, sort_block, unit_last_stride, visible_key_end)
@@ -65,7 +66,7 @@ def _row_stats_kernel(Q, QPOS, K, ROWS, KPOS, COS, SIN, MAX_OUT, SUM_OUT,
                       GROUP: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_ROWS: tl.constexpr, ROPE: tl.constexpr,
                       DOT_F32: tl.constexpr, PRECISION: tl.constexpr, EMULATE_RNE: tl.constexpr,
-                      SORT_BLOCK: tl.constexpr, SPLITS: tl.constexpr):
+                      SORT_BLOCK: tl.constexpr, SPLITS: tl.constexpr, POS_IS_INDEX: tl.constexpr):
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -77,14 +78,20 @@ def _row_stats_kernel(Q, QPOS, K, ROWS, KPOS, COS, SIN, MAX_OUT, SUM_OUT,
     k_base = K + (h // GROUP) * s_kh
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    n_end = visible_key_end(KPOS, N, tl.max(qpos, 0), SEARCH_STEPS, SORT_BLOCK)
+    if POS_IS_INDEX:                                                        # key j at position j: no search
+        n_end = tl.minimum(tl.maximum(tl.max(qpos, 0) + 1, 0), N).to(tl.int32)
+    else:
+        n_end = visible_key_end(KPOS, N, tl.max(qpos, 0), SEARCH_STEPS, SORT_BLOCK)
     per_split = tl.cdiv(tl.cdiv(n_end, BLOCK_N), SPLITS)                    # key tiles per split
     start = split * per_split * BLOCK_N
     stop = tl.minimum(n_end, start + per_split * BLOCK_N)
     for n0 in range(start, stop, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < stop
-        kpos = tl.load(KPOS + offs_n, mask=n_ok, other=FAR_POSITION)
+        if POS_IS_INDEX:
+            kpos = tl.where(n_ok, offs_n.to(tl.int64), FAR_POSITION)
+        else:
+            kpos = tl.load(KPOS + offs_n, mask=n_ok, other=FAR_POSITION)
         if HAS_ROWS:
             rows = tl.load(ROWS + offs_n, mask=n_ok, other=0)
         else:
@@ -125,7 +132,7 @@ def _probs_kernel(Q, QPOS, K, ROWS, KPOS, COS, SIN, MAX_IN, SUM_IN, OUT,
                   GROUP: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_ROWS: tl.constexpr, ROPE: tl.constexpr,
                   DOT_F32: tl.constexpr, PRECISION: tl.constexpr, EMULATE_RNE: tl.constexpr,
-                  SPLITS: tl.constexpr):
+                  SPLITS: tl.constexpr, POS_IS_INDEX: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -133,7 +140,10 @@ def _probs_kernel(Q, QPOS, K, ROWS, KPOS, COS, SIN, MAX_IN, SUM_IN, OUT,
     m_ok = offs_m < M
     n_ok = offs_n < N
     qpos = tl.load(QPOS + offs_m, mask=m_ok, other=-1)
-    kpos = tl.load(KPOS + offs_n, mask=n_ok, other=FAR_POSITION)
+    if POS_IS_INDEX:
+        kpos = tl.where(n_ok, offs_n.to(tl.int64), FAR_POSITION)
+    else:
+        kpos = tl.load(KPOS + offs_n, mask=n_ok, other=FAR_POSITION)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if tl.min(kpos, 0) <= tl.max(qpos, 0):                                 # else the whole tile is in the future
         if HAS_ROWS:
@@ -174,7 +184,7 @@ def launch(q, q_pos, k, kv_rows, kv_pos, cos, sin, scale, *, block_m: int | None
     q, k, cos, sin = (unit_last_stride(t) for t in (q, k, cos, sin))
     m, hq, d = q.shape
     hkv = k.shape[1]
-    n = kv_pos.numel()
+    n = key_count(k, kv_rows, kv_pos)
     out = torch.zeros((m, n), dtype=torch.float32, device=q.device)
     if m == 0 or n == 0:
         return out
@@ -184,12 +194,14 @@ def launch(q, q_pos, k, kv_rows, kv_pos, cos, sin, scale, *, block_m: int | None
     warps, stages = num_warps or warps, num_stages or stages
     splits = num_splits or pick_splits(triton.cdiv(m, bm) * hq, n, bn, q.device)
     q_pos = q_pos.contiguous()
-    kv_pos = kv_pos.contiguous()
+    by_index = kv_pos is None
+    kv_pos = q_pos if by_index else kv_pos.contiguous()  # placeholder pointer when positions are indices
     rope = cos is not None
     if prerotate is None:
         prerotate = prerotate_by_default(m, bm, hq // hkv, n)
     if rope and prerotate:
-        k = gather_rotated(k, kv_rows, kv_pos, cos, sin).transpose(0, 1)   # [N, Hkv, D] view, rows 0..N-1
+        pos = positions(k, kv_rows, None) if by_index else kv_pos
+        k = gather_rotated(k, kv_rows, pos, cos, sin).transpose(0, 1)      # [N, Hkv, D] view, rows 0..N-1
         kv_rows, cos, sin, rope = None, None, None, False
     rows = kv_rows.contiguous() if kv_rows is not None else kv_pos   # placeholder pointer when HAS_ROWS is off
     cos_t = cos if rope else k
@@ -198,7 +210,8 @@ def launch(q, q_pos, k, kv_rows, kv_pos, cos, sin, scale, *, block_m: int | None
     row_sum = torch.empty((splits, hq, m), dtype=torch.float32, device=q.device)
     common = dict(GROUP=hq // hkv, HALF=d // 2, HALF_PAD=half_pad(d), BLOCK_M=bm, BLOCK_N=bn,
                   HAS_ROWS=kv_rows is not None, ROPE=rope, DOT_F32=dot_in_fp32(q.dtype),
-                  PRECISION=dot_precision(q.dtype), EMULATE_RNE=interpreting, num_warps=warps, num_stages=stages)
+                  PRECISION=dot_precision(q.dtype), EMULATE_RNE=interpreting, POS_IS_INDEX=by_index,
+                  num_warps=warps, num_stages=stages)
     qk_scale = float(scale) * LOG2E
     _row_stats_kernel[(triton.cdiv(m, bm), hq, splits)](
         q, q_pos, k, rows, kv_pos, cos_t, sin_t, row_max, row_sum,

@@ -287,3 +287,45 @@ def test_gpu_real_shapes(m):
     out = fused_attention_triton(*args)
     torch.cuda.synchronize()
     assert_rule(out, ref, truth, torch.bfloat16, f"gpu m={m}", floor=1e-3)
+
+
+def _index_case(seed: int = 5, n: int = 53, m: int = 12):
+    """Keys at positions 0..N-1 (slot p holds position p, as in the fused prefills), gathered from a larger pool;
+    queries among the keys, a padded row (-1: sees nothing) and two past the last key (see every key)."""
+    c = make_case(m, n, 4, 2, 16, torch.float32, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    c["kv_pos"] = torch.arange(n)
+    picked = torch.sort(torch.randperm(n, generator=g)[: m - 3]).values
+    c["q_pos"] = torch.cat([picked, torch.tensor([-1, n + 2, n + 5])])
+    c["cos"], c["sin"] = rope_tables(n + 6, 16)
+    return c
+
+
+@pytest.mark.parametrize("splits,prerotate,block", [(1, False, 16), (3, False, 16), (1, True, 16), (2, True, 32)])
+def test_positions_as_indices_equal_the_explicit_positions(splits, prerotate, block, triton_device):
+    """kv_pos=None (key j at position j): the kernel computes positions and bounds instead of reading and
+    searching them, and gives the explicit arange's result bit for bit (and the reference's)."""
+    pytest.importorskip("triton")
+    from kvfuse.kernels._triton.attention import launch
+
+    c = _index_case()
+    explicit = to_device(c, triton_device)
+    implicit = dict(explicit, kv_pos=None)
+    opts = dict(block_m=block, block_n=block, num_splits=splits, prerotate=prerotate)
+    out_explicit = launch(*_args(explicit), **opts).cpu()
+    out_implicit = launch(*_args(implicit), **opts).cpu()
+    assert torch.equal(out_implicit, out_explicit)
+    ref = fused_attention_reference(*_args(c))
+    assert torch.equal(fused_attention_reference(*_args(dict(c, kv_pos=None))), ref)
+    assert_rule(out_implicit, ref, attention64(*_args(c)), torch.float32, f"positions as indices {opts}")
+    pad = c["q_pos"].tolist().index(-1)
+    assert torch.equal(out_implicit[pad], torch.zeros_like(out_implicit[pad]))
+
+
+def test_positions_as_indices_count_the_rows_attended():
+    c = _index_case()
+    c_none = dict(c, kv_pos=None, kv_rows=c["kv_rows"][:40])  # N = len(kv_rows): the keys past 40 are not seen
+    ref40 = fused_attention_reference(*_args(dict(c, kv_pos=torch.arange(40), kv_rows=c["kv_rows"][:40])))
+    assert torch.equal(fused_attention_reference(*_args(c_none)), ref40)
+    with pytest.raises(ValueError, match="kv_rows must be"):
+        fused_attention_reference(*_args(dict(c, kv_pos=None, kv_rows=c["kv_rows"][None])))

@@ -6,7 +6,7 @@ import torch
 
 from kvfuse.kernels import attention_scores, attention_scores_reference, attention_scores_triton
 
-from kernel_cases import (assert_rule, make_case, probs64, real_case, requires_cuda, rotated_keys64,
+from kernel_cases import (assert_rule, make_case, probs64, real_case, requires_cuda, rope_tables, rotated_keys64,
                           rotated_keys_fp32, to_device)
 
 SHAPES = [(5, 23, 4, 2, 16), (17, 70, 4, 2, 32), (11, 41, 6, 2, 32)]
@@ -127,3 +127,26 @@ def test_split_statistics_merge_to_the_same_result(splits, triton_device):
     ref = attention_scores_reference(*_args(c))
     out = launch(*_args(to_device(c, triton_device)), num_splits=splits).cpu()
     assert torch.allclose(out, ref, atol=1e-6)
+
+
+@pytest.mark.parametrize("splits,prerotate", [(1, False), (3, False), (1, True)])
+def test_positions_as_indices_equal_the_explicit_positions(splits, prerotate, triton_device):
+    """kv_pos=None (key j at position j): the same probabilities bit for bit as the explicit arange, without
+    reading or searching positions in the kernels."""
+    pytest.importorskip("triton")
+    from kvfuse.kernels._triton.attn_scores import launch
+
+    c = make_case(10, 45, 4, 2, 16, torch.float32, seed=3)
+    c["kv_pos"] = torch.arange(45)
+    c["q_pos"] = torch.cat([torch.sort(torch.randperm(45, generator=torch.Generator().manual_seed(3))[:7]).values,
+                            torch.tensor([-1, 47, 49])])
+    c["cos"], c["sin"] = rope_tables(50, 16)
+    explicit = to_device(c, triton_device)
+    opts = dict(block_m=16, block_n=16, num_splits=splits, prerotate=prerotate)
+    out_explicit = launch(*_args(explicit), **opts).cpu()
+    out_implicit = launch(*_args(dict(explicit, kv_pos=None)), **opts).cpu()
+    assert torch.equal(out_implicit, out_explicit)
+    ref = attention_scores_reference(*_args(c))
+    assert torch.equal(attention_scores_reference(*_args(dict(c, kv_pos=None))), ref)
+    assert torch.allclose(out_implicit, ref, atol=1e-5)
+    assert float(out_implicit[7].abs().sum()) == 0.0  # the padded row sees nothing
