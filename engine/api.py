@@ -941,11 +941,11 @@ class FusionEngine:
                             self._index_backlog.popitem(last=False)
                 plan.append((sp.start, sp.end, idx))
             lists, counts, density = sparse_plan(layout.n, n_layers, plan, block, self.device, window=strat.window,
-                                                  cross=strat.cross, local=strat.local,
-                                                  heads=strat.heads)
+                                                  cross=strat.cross, local=strat.local, heads=strat.heads,
+                                                  max_density=strat.max_density)
         report.update(index_hits=hits, index_computed=computed, index_carried=used, index_rejected=rejected,
                       index_deferred=deferred, density=round(density, 4))
-        if density > strat.max_density:  # the sparse kernel would be slower than dense attention
+        if lists is None:  # denser than max_density: the sparse kernel would be slower than dense attention
             return None, {**report, "density": 1.0, "plan_density": round(density, 4),
                           "dense_reason": f"plan density {density:.3f} > max_density {strat.max_density}"}
         return (lists, counts, block), {**report, "sparse": True}

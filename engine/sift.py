@@ -260,9 +260,12 @@ def check_modes(cross: str, local: str, heads: str) -> None:
 
 
 def sparse_plan(n: int, n_layers: int, docs: list[tuple[int, int, SiftIndex | None]], block: int,
-                device, window: int = 0, cross: str = "marks", local: str = "marks", heads: str = "shared"):
+                device, window: int = 0, cross: str = "marks", local: str = "marks", heads: str = "shared",
+                max_density: float = 1.0):
     """Per layer (key-block lists [NB, M] int32, counts [NB] int32) for a prompt of `n` tokens; and the density
-    (share of the causal block pairs attended, averaged over layers).
+    (share of the causal block pairs attended, averaged over layers). A plan denser than `max_density` (one the
+    request will not use: the sparse kernel would be slower than dense attention) is not built: (None, None,
+    density), decided right after the block masks are counted.
 
     Every layer is built at once on `device` ([n_layers, NB, NB] block masks; each document touches only the
     square of kernel blocks it covers and the columns of its cross marks), with one host read at the end (the
@@ -294,6 +297,8 @@ def sparse_plan(n: int, n_layers: int, docs: list[tuple[int, int, SiftIndex | No
     cnt = full.sum(2, dtype=torch.int32)  # [L, NB]
     width, kept = torch.stack([cnt.max().long(), cnt.sum(dtype=torch.long)]).tolist()  # the one host read
     density = kept / float(n_layers * nb * (nb + 1) // 2)
+    if density > max_density:
+        return None, None, density
     if cross == "marks" and local == "marks":
         counts = list(cnt.unbind(0))
         return MarkedLists(_compact(full, width).unbind(0), counts), counts, density

@@ -219,6 +219,11 @@ def test_vectorised_plan_matches_the_rules_on_random_indexes():
     nb = want.shape[1]
     assert density == pytest.approx(float(want.sum()) / (3 * nb * (nb + 1) / 2))
     assert density < 1.0
+    # a plan denser than max_density is counted, not built (the request will attend densely)
+    for mode in ("marks", "pick"):
+        assert sparse_plan(77, 3, docs, 8, "cpu", cross=mode, max_density=density - 1e-6) == (None, None, density)
+        kept, _, same = sparse_plan(77, 3, docs, 8, "cpu", cross=mode, max_density=density)
+        assert kept is not None and same == density
 
 
 def test_carried_indexes_are_used_and_bad_ones_refused(tiny_engine, monkeypatch):
