@@ -53,7 +53,11 @@ def attention_scores_triton(q, q_pos, k, kv_rows, kv_pos, cos, sin, scale):
     probabilities summed over heads; never materialises [Hq, M, N]. Same contract as the reference."""
     q_pos, kv_rows, kv_pos = check_inputs(q, q_pos, k, None, kv_rows, kv_pos, cos, sin)
     choose_backend(q.device, "triton")
+    from . import attention
     from ._triton.attn_scores import launch
+
+    if kv_pos is None and not attention.COMPUTED_POSITIONS:
+        kv_pos = positions(k, kv_rows, None)
 
     return launch(q, q_pos, k, kv_rows, kv_pos, cos, sin, scale)
 
