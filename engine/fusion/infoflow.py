@@ -38,7 +38,7 @@ class InfoFlow(Strategy):
     REFERENCE = "infoflow:window=0.55/0.65:rows=question"
 
     def __init__(self, layers=None, depth: float = 1 / 3, window=None, rows: str = "all", reorder: bool = False,
-                 order: str = "density", spread: int = 0) -> None:
+                 order: str = "density") -> None:
         """
         Args:
             layers: explicit probe layers (negative counts from the end).
@@ -48,13 +48,7 @@ class InfoFlow(Strategy):
                 "question" (the question's own tokens, where the prompt marks them).
             reorder: move the documents the selection draws on most last, then score again.
             order: the reorder's key: "density" (selected / document length, the reference's) or "count".
-            spread: 0 (default): each token on its own score. k > 0: a token also scores half the best score within
-                k positions of it, so the budget goes to the strongest tokens and their neighbours (recomputed
-                neighbours give a recomputed token fresh local context). Experimental.
         """
-        if int(spread) < 0:
-            raise ValueError(f"spread must be >= 0, got {spread}")
-        self.spread = int(spread)
         if not 0.0 < float(depth) <= 1.0:
             raise ValueError(f"depth must be in (0, 1], got {depth}")
         if window is not None:
@@ -86,12 +80,7 @@ class InfoFlow(Strategy):
 
     def scores(self, ctx: SelectContext):
         """[C] score of each candidate: mean over probe layers of the L2 norm over the question rows."""
-        s = layer_mean(ctx, self.probe_layers(ctx.n_layers), "l2", own_rows=self.rows == "question")
-        if not self.spread:
-            return s
-        k = self.spread
-        near = torch.nn.functional.max_pool1d(s.float()[None, None], 2 * k + 1, stride=1, padding=k)[0, 0]
-        return torch.maximum(s.float(), 0.5 * near)
+        return layer_mean(ctx, self.probe_layers(ctx.n_layers), "l2", own_rows=self.rows == "question")
 
     def initial(self, ctx: SelectContext):
         if ctx.budget == 0:
