@@ -34,8 +34,11 @@ def build(fn, pointers, constexprs, floats=(), warps=4, stages=2):
 bf, f32, i64 = "*bf16", "*fp32", "*i64"
 attn_ptrs = dict(Q=bf, QPOS=i64, K=bf, V=bf, ROWS=i64, KPOS=i64, COS=bf, SIN=bf, OUT=bf, PART_ACC=f32, PART_ML=f32)
 attn_c = dict(GROUP=4, HALF=64, HALF_PAD=64, BLOCK_M=128, BLOCK_N=64, SPLITS=1, SORT_BLOCK=1024, HAS_ROWS=True,
-              K_GATHER=True, ROPE=True, DOT_F32=False, PRECISION="tf32", EMULATE_RNE=False)
+              K_GATHER=True, ROPE=True, DOT_F32=False, PRECISION="tf32", EMULATE_RNE=False, POS_IS_INDEX=False)
 build(attention._attn_fwd_kernel, attn_ptrs, attn_c, ("qk_scale",), warps=8, stages=3)
+build(attention._attn_fwd_kernel, attn_ptrs, dict(attn_c, POS_IS_INDEX=True), ("qk_scale",), warps=8, stages=3)
+build(attention._attn_fwd_kernel, attn_ptrs, dict(attn_c, BLOCK_M=64, SPLITS=8, POS_IS_INDEX=True), ("qk_scale",),
+      warps=4, stages=3)                                              # positions computed, split keys (the probe)
 build(attention._attn_fwd_kernel, attn_ptrs, dict(attn_c, BLOCK_N=128, K_GATHER=False, ROPE=False), ("qk_scale",),
       warps=8, stages=3)                                              # keys rotated up front
 build(attention._attn_fwd_kernel, attn_ptrs, dict(attn_c, BLOCK_M=64, K_GATHER=False, ROPE=False, HAS_ROWS=False),
@@ -53,9 +56,11 @@ build(attention._attn_merge_kernel, dict(PART_ACC=f32, PART_ML=f32, OUT=bf),
 score_ptrs = dict(Q=bf, QPOS=i64, K=bf, ROWS=i64, KPOS=i64, COS=f32, SIN=f32, MAX_OUT=f32, SUM_OUT=f32, MAX_IN=f32,
                   SUM_IN=f32, OUT=f32)
 score_c = dict(GROUP=4, HALF=64, HALF_PAD=64, BLOCK_M=64, BLOCK_N=64, HAS_ROWS=True, ROPE=True, DOT_F32=False,
-               PRECISION="tf32", EMULATE_RNE=False, SPLITS=4)
+               PRECISION="tf32", EMULATE_RNE=False, SPLITS=4, POS_IS_INDEX=False)
 build(attn_scores._row_stats_kernel, score_ptrs, dict(score_c, SORT_BLOCK=1024), ("qk_scale",))
 build(attn_scores._probs_kernel, score_ptrs, score_c, ("qk_scale", "inv_heads"))
+build(attn_scores._row_stats_kernel, score_ptrs, dict(score_c, SORT_BLOCK=1024, POS_IS_INDEX=True), ("qk_scale",))
+build(attn_scores._probs_kernel, score_ptrs, dict(score_c, POS_IS_INDEX=True), ("qk_scale", "inv_heads"))
 build(attn_scores._row_stats_kernel, score_ptrs, dict(score_c, BLOCK_N=128, SPLITS=1, SORT_BLOCK=1024, HAS_ROWS=False,
                                                       ROPE=False), ("qk_scale",))
 build(attn_scores._probs_kernel, score_ptrs, dict(score_c, BLOCK_N=128, SPLITS=1, HAS_ROWS=False, ROPE=False),
