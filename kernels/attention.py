@@ -52,7 +52,7 @@ def check_inputs(q, q_pos, k, v, kv_rows, kv_pos, cos, sin):
     if kv_pos is None:  # key j at position j: N from the rows attended to
         if kv_rows is not None and kv_rows.dim() != 1:
             raise ValueError(f"kv_rows must be [N], got {tuple(kv_rows.shape)}")
-        n = kv_rows.numel() if kv_rows is not None else k.shape[0]
+        n = key_count(k, kv_rows, None)
     elif kv_pos.dim() != 1:
         raise ValueError(f"kv_pos must be [N], got {tuple(kv_pos.shape)}")
     else:
