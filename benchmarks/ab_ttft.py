@@ -10,6 +10,9 @@ Variants (`--variant`):
   from a materialised 0..N-1 and searched in every program (`kvfuse.kernels.attention.COMPUTED_POSITIONS`).
 - epilogue: the decoder's residual adds in the GEMM epilogue (`addmm` with beta 1) vs the shipped separate add
   (`linear_add`: `h + F.linear(x, w)`).
+- stats: the question probe's scores normalised by its attention kernel's softmax statistics
+  (`kvfuse.kernels.attention_and_scores`, shipped) vs the attention and the scores as two calls (the scores then
+  run a statistics pass of their own over every key).
 
     python benchmarks/ab_ttft.py --variant positions --shapes qwen05b,llama8b --contexts 2048,8192 \
         --strategies full,infoflow,cacheblend
@@ -40,6 +43,17 @@ def epilogue_add(h, x, w, b=None):
 def variants(kind: str, engine):
     """({label: setter}, restore): the first label is the candidate, the second the path it is compared to;
     `restore` sets what ships."""
+    if kind == "stats":
+        from kvfuse.engine import bucketed
+        from kvfuse.kernels import attention_and_scores, attention_scores, fused_attention
+
+        def apart(q, q_pos, k, v, rows, pos, cos, sin, scale):
+            return (fused_attention(q, q_pos, k, v, rows, pos, cos, sin, scale),
+                    attention_scores(q, q_pos, k, rows, pos, cos, sin, scale))
+
+        def use(fn):
+            return lambda: setattr(bucketed, "attention_and_scores", fn)
+        return {"shared statistics": use(attention_and_scores), "two calls": use(apart)}, use(attention_and_scores)
     if kind == "positions":
         from kvfuse.kernels import attention
 
@@ -57,7 +71,7 @@ def variants(kind: str, engine):
 
 def main(argv=None, default_variant: str = "positions") -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--variant", choices=["positions", "epilogue"], default=default_variant)
+    ap.add_argument("--variant", choices=["positions", "epilogue", "stats"], default=default_variant)
     ap.add_argument("--shapes", default="qwen05b")
     ap.add_argument("--contexts", default="8192")
     ap.add_argument("--strategies", default="full")

@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 
 from ..kernels.attention import fused_attention
-from ..kernels.attn_scores import attention_scores
+from ..kernels.attn_scores import attention_and_scores, attention_scores
 from ..kernels.causal import causal_attention
 from ..kernels.rope import apply_rope
 from ..kernels.scatter import scatter_rows
@@ -369,10 +369,16 @@ class LayoutGraphs:
             scatter_rows(kp, dst, k)
             scatter_rows(vp, dst, v)
             qr = apply_rope(q, *rope)
+            goes_on = i < max(layers) or h.gap
+            if i in layers and goes_on and not h.vb:  # one key set: the scores reuse the attention's statistics
+                o, att = attention_and_scores(qr, act, kp, vp, rows, None, cos, sin, spec.scale)
+                probes[i] = torch.where(valid[:, None] & cand[None, :], att, 0.0)   # [M, N]
+                x = dec.finish(i, x, o)
+                continue
             if i in layers:
                 att = attention_scores(qr, act, kp, rows, None, cos, sin, spec.scale)   # [M, N]
                 probes[i] = torch.where(valid[:, None] & cand[None, :], att, 0.0)
-            if i < max(layers) or h.gap:
+            if goes_on:
                 x = dec.finish(i, x, fused_attention(qr, act, kp, vp, view_rows, view_pos, cos, sin, spec.scale))
         own = valid & (act >= inp.scalars[2]) & (act < inp.scalars[3])
         ctx = SelectContext(n_layers=spec.n_layers, ratio=ratio, candidates=kv_pos, doc_spans=[], question=act,

@@ -8,7 +8,7 @@ CPU path) and a Triton version (``<op>_triton``, CUDA). The public op picks one 
 All tensors are token-major: ``[tokens, heads, head_dim]``.
 """
 from .attention import fused_attention, fused_attention_reference, fused_attention_triton
-from .attn_scores import attention_scores, attention_scores_reference, attention_scores_triton
+from .attn_scores import attention_and_scores, attention_scores, attention_scores_reference, attention_scores_triton
 from .deviation import kv_deviation, kv_deviation_reference, kv_deviation_triton
 from .dispatch import choose_backend
 from .rope import apply_rope, apply_rope_reference, apply_rope_triton
@@ -16,7 +16,7 @@ from .scatter import scatter_rows, scatter_rows_reference, scatter_rows_triton
 
 __all__ = [
     "apply_rope", "apply_rope_reference", "apply_rope_triton",
-    "attention_scores", "attention_scores_reference", "attention_scores_triton",
+    "attention_and_scores", "attention_scores", "attention_scores_reference", "attention_scores_triton",
     "choose_backend",
     "fused_attention", "fused_attention_reference", "fused_attention_triton",
     "kv_deviation", "kv_deviation_reference", "kv_deviation_triton",

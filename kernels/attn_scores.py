@@ -6,15 +6,20 @@ Same inputs, deferred RoPE and absolute-position mask as :func:`kvfuse.kernels.a
 (no values needed). Entry ``[i, j]`` is the softmax probability of key j for query i, averaged over the Hq
 heads; each row sums to 1 (0 for a query that sees no key). Query-aware selection (InfoFlow, ProphetKV,
 QCFuse) reduces it over the question rows.
+
+``attention_and_scores(q, q_pos, k, v, kv_rows, kv_pos, cos, sin, scale) -> ([M, Hq, D], [M, N] float32)``: the
+attention output (`fused_attention`) and these scores of the same queries over the same keys, as a probe layer
+needs both. The Triton path normalises the scores by the attention kernel's own softmax statistics, so the
+scores' statistics pass (a second read of every key) is not run.
 """
 from __future__ import annotations
 
 import torch
 
-from .attention import check_inputs, gather_keys, positions
+from .attention import check_inputs, fused_attention_reference, gather_keys, positions
 from .dispatch import choose_backend
 
-__all__ = ["attention_scores", "attention_scores_reference", "attention_scores_triton"]
+__all__ = ["attention_and_scores", "attention_scores", "attention_scores_reference", "attention_scores_triton"]
 
 # The reference materialises [heads, M, N] fp32 probabilities a few kv heads at a time, within this budget.
 _REFERENCE_CHUNK_BYTES = 64 * 2**20
@@ -85,3 +90,25 @@ def attention_scores(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, kv_r
     if choose_backend(q.device, backend) == "triton":
         return attention_scores_triton(q, q_pos, k, kv_rows, kv_pos, cos, sin, scale)
     return attention_scores_reference(q, q_pos, k, kv_rows, kv_pos, cos, sin, scale)
+
+
+def attention_and_scores(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         kv_rows: torch.Tensor | None, kv_pos: torch.Tensor | None, cos: torch.Tensor | None,
+                         sin: torch.Tensor | None, scale: float, *,
+                         backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`fused_attention(...)`, `attention_scores(...)`) of the same arguments in one call. On the Triton path the
+    scores reuse the attention kernel's softmax statistics (row max and sum per query and q head, per key split)
+    instead of a statistics pass of their own; the result is the two calls' up to fp32 rounding of the
+    normalisation."""
+    if choose_backend(q.device, backend) != "triton":
+        return (fused_attention_reference(q, q_pos, k, v, kv_rows, kv_pos, cos, sin, scale),
+                attention_scores_reference(q, q_pos, k, kv_rows, kv_pos, cos, sin, scale))
+    q_pos, kv_rows, kv_pos = check_inputs(q, q_pos, k, v, kv_rows, kv_pos, cos, sin)
+    from . import attention
+    from ._triton.attention import launch as attend
+    from ._triton.attn_scores import launch as score
+
+    if kv_pos is None and not attention.COMPUTED_POSITIONS:
+        kv_pos = positions(k, kv_rows, None)
+    out, stats = attend(q, q_pos, k, v, kv_rows, kv_pos, cos, sin, scale, stats=True)
+    return out, score(q, q_pos, k, kv_rows, kv_pos, cos, sin, scale, stats=stats)

@@ -100,7 +100,8 @@ def _attn_fwd_kernel(Q, QPOS, K, V, ROWS, KPOS, COS, SIN, OUT, PART_ACC, PART_ML
                      GROUP: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, SORT_BLOCK: tl.constexpr,
                      HAS_ROWS: tl.constexpr, K_GATHER: tl.constexpr, ROPE: tl.constexpr, DOT_F32: tl.constexpr,
-                     PRECISION: tl.constexpr, EMULATE_RNE: tl.constexpr, POS_IS_INDEX: tl.constexpr):
+                     PRECISION: tl.constexpr, EMULATE_RNE: tl.constexpr, POS_IS_INDEX: tl.constexpr,
+                     STORE_ML: tl.constexpr):
     pid_r = tl.num_programs(0) - 1 - tl.program_id(0)                     # late (heavy) row blocks first
     hk = tl.program_id(1)
     split = tl.program_id(2)
@@ -157,6 +158,10 @@ def _attn_fwd_kernel(Q, QPOS, K, V, ROWS, KPOS, COS, SIN, OUT, PART_ACC, PART_ML
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]                  # a query that sees no key -> 0
         o_ptr = OUT + offs_m[:, None].to(tl.int64) * s_om + h[:, None] * s_oh + offs_d[None, :]
         tl.store(o_ptr, round_to(out, OUT.dtype.element_ty, EMULATE_RNE), mask=r_ok[:, None] & d_ok[None, :])
+        if STORE_ML:  # the softmax statistics too, as one split's partials (attention scores normalise by them)
+            row = offs_m.to(tl.int64) * hq + h
+            tl.store(PART_ML + row * 2, m_i, mask=r_ok)
+            tl.store(PART_ML + row * 2 + 1, l_i, mask=r_ok)
     else:
         # partials: acc [SPLITS, M, Hq, D_PAD], (max, sum) [SPLITS, M, Hq, 2], all fp32
         row = (split * M + offs_m.to(tl.int64)) * hq + h
@@ -166,10 +171,11 @@ def _attn_fwd_kernel(Q, QPOS, K, V, ROWS, KPOS, COS, SIN, OUT, PART_ACC, PART_ML
 
 
 @triton.jit
-def _attn_merge_kernel(PART_ACC, PART_ML, OUT, M, s_om, s_oh,
+def _attn_merge_kernel(PART_ACC, PART_ML, OUT, ML_OUT, M, s_om, s_oh,
                        SPLITS: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                       EMULATE_RNE: tl.constexpr):
-    """Merges the per-split partial softmaxes of one (query block, q head)."""
+                       EMULATE_RNE: tl.constexpr, STORE_ML: tl.constexpr):
+    """Merges the per-split partial softmaxes of one (query block, q head); with STORE_ML also writes the merged
+    statistics (max, sum) to ML_OUT [M, Hq, 2]."""
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
     hq = tl.num_programs(1)
@@ -193,6 +199,10 @@ def _attn_merge_kernel(PART_ACC, PART_ML, OUT, M, s_om, s_oh,
     o_ptr = OUT + offs_m[:, None].to(tl.int64) * s_om + h * s_oh + offs_d[None, :]
     tl.store(o_ptr, round_to(out, OUT.dtype.element_ty, EMULATE_RNE),
              mask=m_ok[:, None] & (offs_d < 2 * HALF)[None, :])
+    if STORE_ML:
+        row = offs_m.to(tl.int64) * hq + h
+        tl.store(ML_OUT + row * 2, m_use, mask=m_ok)
+        tl.store(ML_OUT + row * 2 + 1, l_sum, mask=m_ok)
 
 
 @functools.lru_cache(maxsize=None)
@@ -262,19 +272,23 @@ def plan(m: int, hq: int, hkv: int, n: int, head_dim: int, dtype: torch.dtype, d
                 prerotate=prerotate, gather_values=bool(gather_values))
 
 
-def launch(q, q_pos, k, v, kv_rows, kv_pos, cos, sin, scale, **overrides):
+def launch(q, q_pos, k, v, kv_rows, kv_pos, cos, sin, scale, *, stats: bool = False, **overrides):
     """Runs the kernel on validated inputs. Block sizes, warps, stages, key splits and the up-front rotation may
-    be overridden (tests, benchmarks): block_m, block_n, num_warps, num_stages, num_splits, prerotate."""
+    be overridden (tests, benchmarks): block_m, block_n, num_warps, num_stages, num_splits, prerotate.
+
+    With `stats`, returns (out, ml) instead: ml [1, M, Hq, 2] fp32, the softmax's max (log2 domain: scores times
+    scale x log2(e)) and its sum of exp2 of the scores less it, per query and q head (merged over the key splits
+    by the merge kernel); a query that saw no key holds (-1e30, 0). `attn_scores.launch(stats=ml)` normalises by
+    them instead of recomputing them."""
     q, k, v, cos, sin = (unit_last_stride(t) for t in (q, k, v, cos, sin))
     m, hq, d = q.shape
     hkv = k.shape[1]
     group = hq // hkv
     n = key_count(k, kv_rows, kv_pos)
     out = torch.empty((m, hq, d), dtype=q.dtype, device=q.device)
-    if m == 0:
-        return out
-    if n == 0:
-        return out.zero_()
+    if m == 0 or n == 0:
+        out = out.zero_()
+        return (out, torch.zeros((1, m, hq, 2), dtype=torch.float32, device=q.device)) if stats else out
     interpreting = emulate_rne()
     rope = cos is not None
     cfg = plan(m, hq, hkv, n, d, q.dtype, q.device, rope=rope, **overrides)
@@ -297,7 +311,8 @@ def launch(q, q_pos, k, v, kv_rows, kv_pos, cos, sin, scale, **overrides):
         part_acc = torch.empty((splits, m, hq, 2 * hp), dtype=torch.float32, device=q.device)
         part_ml = torch.empty((splits, m, hq, 2), dtype=torch.float32, device=q.device)
     else:
-        part_acc = part_ml = out                                   # unused placeholders
+        part_acc = out                                             # unused placeholder
+        part_ml = torch.empty((1, m, hq, 2), dtype=torch.float32, device=q.device) if stats else out
     _attn_fwd_kernel[(blocks, hkv, splits)](
         q, q_pos, keys, v, rows, kv_pos, cos_t, sin_t, out, part_acc, part_ml,
         m, n, float(scale) * LOG2E, search_steps(n),
@@ -306,11 +321,14 @@ def launch(q, q_pos, k, v, kv_rows, kv_pos, cos, sin, scale, **overrides):
         GROUP=group, HALF=d // 2, HALF_PAD=hp, BLOCK_M=bm, BLOCK_N=bn, SPLITS=splits, SORT_BLOCK=sort_block(n),
         HAS_ROWS=kv_rows is not None, K_GATHER=not prerotate, ROPE=rope and not prerotate,
         DOT_F32=dot_in_fp32(q.dtype), PRECISION=dot_precision(q.dtype), EMULATE_RNE=interpreting,
-        POS_IS_INDEX=by_index, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        POS_IS_INDEX=by_index, STORE_ML=stats, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if splits > 1:
         merge_bm = min(32, triton.next_power_of_2(m))
+        merged = torch.empty((1, m, hq, 2), dtype=torch.float32, device=q.device) if stats else out
         _attn_merge_kernel[(triton.cdiv(m, merge_bm), hq)](
-            part_acc, part_ml, out, m, out.stride(0), out.stride(1),
-            SPLITS=splits, HALF=d // 2, HALF_PAD=hp, BLOCK_M=merge_bm, EMULATE_RNE=interpreting, num_warps=4)
-    return out
+            part_acc, part_ml, out, merged, m, out.stride(0), out.stride(1),
+            SPLITS=splits, HALF=d // 2, HALF_PAD=hp, BLOCK_M=merge_bm, EMULATE_RNE=interpreting, STORE_ML=stats,
+            num_warps=4)
+        part_ml = merged
+    return (out, part_ml) if stats else out

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from ..attention import key_count, positions
-from .attention import pick_splits
+from .attention import pick_splits, sm_count
 from .common import (FAR_POSITION, LOG2E, dot_in_fp32, dot_precision, emulate_rne,
                      half_pad, load_halves_rotated, search_steps, sort_block, unit_last_stride, visible_key_end)
 from .rope import gather_rotated
@@ -112,15 +112,17 @@ def _row_stats_kernel(Q, QPOS, K, ROWS, KPOS, COS, SIN, MAX_OUT, SUM_OUT,
 
 
 @triton.jit
-def _merge_stats(MAX_IN, SUM_IN, h, hq, M, offs_m, m_ok, SPLITS: tl.constexpr):
-    """Row max and 1 / row sum of head h from the per-split partials (0, 0 for a row that sees no key)."""
+def _merge_stats(MAX_IN, SUM_IN, h, offs_m, m_ok, s_sp, s_h, s_m, SPLITS: tl.constexpr):
+    """Row max and 1 / row sum of head h from the per-split partials at MAX_IN / SUM_IN + split x s_sp + h x s_h +
+    row x s_m (0, 0 for a row that sees no key)."""
     m_all = tl.full(offs_m.shape, float("-inf"), tl.float32)
     for sp in range(SPLITS):
-        m_all = tl.maximum(m_all, tl.load(MAX_IN + (sp * hq + h) * M + offs_m, mask=m_ok, other=float("-inf")))
+        m_all = tl.maximum(m_all, tl.load(MAX_IN + sp * s_sp + h * s_h + offs_m * s_m, mask=m_ok,
+                                          other=float("-inf")))
     m_use = tl.where(m_all == float("-inf"), 0.0, m_all)
     l_sum = tl.zeros(offs_m.shape, tl.float32)
     for sp in range(SPLITS):
-        row = (sp * hq + h) * M + offs_m
+        row = sp * s_sp + h * s_h + offs_m * s_m
         m_sp = tl.load(MAX_IN + row, mask=m_ok, other=float("-inf"))
         l_sum += tl.load(SUM_IN + row, mask=m_ok, other=0.0) * tl.exp2(m_sp - m_use)
     return m_use, tl.where(l_sum > 0.0, 1.0 / tl.where(l_sum > 0.0, l_sum, 1.0), 0.0)
@@ -128,7 +130,7 @@ def _merge_stats(MAX_IN, SUM_IN, h, hq, M, offs_m, m_ok, SPLITS: tl.constexpr):
 
 @triton.jit
 def _probs_kernel(Q, QPOS, K, ROWS, KPOS, COS, SIN, MAX_IN, SUM_IN, OUT,
-                  M, N, HKV, qk_scale, inv_heads, s_qm, s_qh, s_kr, s_kh, s_cos, s_sin, s_om,
+                  M, N, HKV, qk_scale, inv_heads, s_qm, s_qh, s_kr, s_kh, s_cos, s_sin, s_om, s_sp, s_sh, s_sm,
                   GROUP: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_ROWS: tl.constexpr, ROPE: tl.constexpr,
                   DOT_F32: tl.constexpr, PRECISION: tl.constexpr, EMULATE_RNE: tl.constexpr,
@@ -160,27 +162,34 @@ def _probs_kernel(Q, QPOS, K, ROWS, KPOS, COS, SIN, MAX_IN, SUM_IN, OUT,
                 h = hk * GROUP + g
                 q1, q2 = _load_q_halves(Q, offs_m, m_ok, h, s_qm, s_qh, HALF, HALF_PAD, DOT_F32)
                 s = _scores_tile(q1, q2, k1, k2, qpos, kpos, qk_scale, PRECISION)
-                row_max, inv_sum = _merge_stats(MAX_IN, SUM_IN, h, HKV * GROUP, M, offs_m, m_ok, SPLITS)
+                row_max, inv_sum = _merge_stats(MAX_IN, SUM_IN, h, offs_m, m_ok, s_sp, s_sh, s_sm, SPLITS)
                 acc += tl.exp2(s - row_max[:, None]) * inv_sum[:, None]
     o_ptr = OUT + offs_m[:, None].to(tl.int64) * s_om + offs_n[None, :]
     tl.store(o_ptr, acc * inv_heads, mask=m_ok[:, None] & n_ok[None, :])
 
 
-def pick_blocks(m: int, head_dim: int, dtype: torch.dtype, interpreting: bool) -> tuple[int, int, int, int]:
+def pick_blocks(m: int, head_dim: int, dtype: torch.dtype, interpreting: bool, n: int = 0,
+                sms: int = 132) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages); fixed heuristics (no per-shape autotune). Wider key tiles for
-    more than 64 query rows (H200: 6.4 -> 5.7 ms at 32k keys x 4915 queries)."""
+    more than 64 query rows (H200: 6.4 -> 5.7 ms at 32k keys x 4915 queries). Shorter query blocks while the
+    probabilities pass (one program per query block and key tile) would leave most SMs idle: the probe's 64 rows
+    over 2k keys make 32 programs at 64 rows, 128 at 16 (H100: 1.2-1.4x faster, `benchmarks/probe_kernels.py`)."""
     if interpreting:
         return 16, 16, 1, 1
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     block_n = 32 if head_dim > 128 or dtype == torch.float32 else 64 if m <= 64 else 128
+    while block_m > 16 and triton.cdiv(m, block_m) * triton.cdiv(n, block_n) < sms // 2:
+        block_m //= 2
     return block_m, block_n, 4, 2
 
 
 def launch(q, q_pos, k, kv_rows, kv_pos, cos, sin, scale, *, block_m: int | None = None,
            block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-           num_splits: int | None = None, prerotate: bool | None = None):
+           num_splits: int | None = None, prerotate: bool | None = None, stats: torch.Tensor | None = None):
     """Runs both passes on validated inputs; blocks, key splits of the stats pass and the up-front rotation may
-    be overridden."""
+    be overridden. `stats`: the softmax statistics of the attention of the same queries over the same keys
+    (`attention.launch(stats=True)`'s second output, [splits, M, Hq, 2]): pass 1 is skipped and the
+    probabilities are normalised by them."""
     q, k, cos, sin = (unit_last_stride(t) for t in (q, k, cos, sin))
     m, hq, d = q.shape
     hkv = k.shape[1]
@@ -189,7 +198,8 @@ def launch(q, q_pos, k, kv_rows, kv_pos, cos, sin, scale, *, block_m: int | None
     if m == 0 or n == 0:
         return out
     interpreting = emulate_rne()
-    bm, bn, warps, stages = pick_blocks(m, d, q.dtype, interpreting)
+    sms = sm_count(q.device) if q.device.type == "cuda" else 132
+    bm, bn, warps, stages = pick_blocks(m, d, q.dtype, interpreting, n, sms)
     bm, bn = block_m or bm, block_n or bn
     warps, stages = num_warps or warps, num_stages or stages
     splits = num_splits or pick_splits(triton.cdiv(m, bm) * hq, n, bn, q.device)
@@ -206,19 +216,27 @@ def launch(q, q_pos, k, kv_rows, kv_pos, cos, sin, scale, *, block_m: int | None
     rows = kv_rows.contiguous() if kv_rows is not None else kv_pos   # placeholder pointer when HAS_ROWS is off
     cos_t = cos if rope else k
     sin_t = sin if rope else k
-    row_max = torch.empty((splits, hq, m), dtype=torch.float32, device=q.device)
-    row_sum = torch.empty((splits, hq, m), dtype=torch.float32, device=q.device)
+    if stats is not None and tuple(stats.shape[1:]) != (m, hq, 2):
+        raise ValueError(f"stats must be [splits, {m}, {hq}, 2], got {tuple(stats.shape)}")
     common = dict(GROUP=hq // hkv, HALF=d // 2, HALF_PAD=half_pad(d), BLOCK_M=bm, BLOCK_N=bn,
                   HAS_ROWS=kv_rows is not None, ROPE=rope, DOT_F32=dot_in_fp32(q.dtype),
                   PRECISION=dot_precision(q.dtype), EMULATE_RNE=interpreting, POS_IS_INDEX=by_index,
                   num_warps=warps, num_stages=stages)
     qk_scale = float(scale) * LOG2E
-    _row_stats_kernel[(triton.cdiv(m, bm), hq, splits)](
-        q, q_pos, k, rows, kv_pos, cos_t, sin_t, row_max, row_sum,
-        m, n, qk_scale, search_steps(n), q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        cos_t.stride(0), sin_t.stride(0), SORT_BLOCK=sort_block(n), SPLITS=splits, **common)
+    if stats is None:
+        row_max = torch.empty((splits, hq, m), dtype=torch.float32, device=q.device)
+        row_sum = torch.empty((splits, hq, m), dtype=torch.float32, device=q.device)
+        _row_stats_kernel[(triton.cdiv(m, bm), hq, splits)](
+            q, q_pos, k, rows, kv_pos, cos_t, sin_t, row_max, row_sum,
+            m, n, qk_scale, search_steps(n), q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            cos_t.stride(0), sin_t.stride(0), SORT_BLOCK=sort_block(n), SPLITS=splits, **common)
+        strides = (hq * m, m, 1)
+    else:  # [splits, M, Hq, 2]: the max and the sum interleaved
+        stats = stats.contiguous()
+        row_max, row_sum, splits = stats[..., 0], stats[..., 1], stats.shape[0]
+        strides = (m * hq * 2, 2, hq * 2)
     _probs_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
         q, q_pos, k, rows, kv_pos, cos_t, sin_t, row_max, row_sum, out,
         m, n, hkv, qk_scale, 1.0 / hq, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        cos_t.stride(0), sin_t.stride(0), out.stride(0), SPLITS=splits, **common)
+        cos_t.stride(0), sin_t.stride(0), out.stride(0), *strides, SPLITS=splits, **common)
     return out

@@ -150,3 +150,70 @@ def test_positions_as_indices_equal_the_explicit_positions(splits, prerotate, tr
     assert torch.equal(attention_scores_reference(*_args(dict(c, kv_pos=None))), ref)
     assert torch.allclose(out_implicit, ref, atol=1e-5)
     assert float(out_implicit[7].abs().sum()) == 0.0  # the padded row sees nothing
+
+
+@pytest.mark.parametrize("splits,prerotate,by_index", [(1, False, False), (3, False, False), (2, True, False),
+                                                         (1, False, True), (3, False, True)])
+def test_scores_from_the_attention_statistics_equal_their_own(splits, prerotate, by_index, triton_device):
+    """attention_and_scores: the scores normalised by the attention kernel's softmax statistics (its key splits,
+    its tiles) are the scores of their own statistics pass, and the attention is fused_attention's; a padded row
+    and a query that sees no key get zeros."""
+    pytest.importorskip("triton")
+    from kvfuse.kernels import fused_attention_reference
+    from kvfuse.kernels._triton.attention import launch as attend
+    from kvfuse.kernels._triton.attn_scores import launch as score
+
+    c = make_case(10, 45, 4, 2, 16, torch.float32, seed=5)
+    if by_index:
+        c["kv_pos"] = None
+        c["q_pos"] = torch.tensor([3, 9, 17, 30, 44, 44, 45, 47, -1, 12])
+        c["cos"], c["sin"] = rope_tables(50, 16)
+    else:
+        c["q_pos"] = c["q_pos"].clone()
+        c["q_pos"][0] = int(c["kv_pos"].min()) - 1                       # sees no key
+    dev = to_device(c, triton_device)
+    args = (dev["q"], dev["q_pos"], dev["k"], dev["v"], dev["kv_rows"], dev["kv_pos"], dev["cos"], dev["sin"],
+            dev["scale"])
+    out, stats = attend(*args, stats=True, num_splits=splits, block_m=16, block_n=16, prerotate=prerotate)
+    assert stats.shape == (1, 10, 4, 2)  # merged over the splits
+    shared = score(*_args(dev), stats=stats).cpu()
+    own = score(*_args(dev), block_m=16, block_n=16).cpu()
+    ref = attention_scores_reference(*_args(c))
+    assert torch.allclose(shared, own, atol=1e-6, rtol=1e-5)
+    assert torch.allclose(shared, ref, atol=1e-5)
+    assert torch.allclose(out.cpu(), fused_attention_reference(*[c[x] for x in ("q", "q_pos", "k", "v", "kv_rows",
+                                                                              "kv_pos", "cos", "sin", "scale")]),
+                          atol=1e-5)
+    blind = 8 if by_index else 0
+    assert float(shared[blind].abs().sum()) == 0.0
+    seen = [i for i in range(10) if i != blind]
+    assert torch.allclose(shared[seen].sum(dim=1), torch.ones(9), atol=1e-5)
+
+
+def test_scores_from_other_statistics_are_not_normalised(triton_device):
+    """The statistics are what normalises the probabilities: another query set's do not sum to 1 (the test above
+    cannot pass by ignoring them)."""
+    pytest.importorskip("triton")
+    from kvfuse.kernels._triton.attention import launch as attend
+    from kvfuse.kernels._triton.attn_scores import launch as score
+
+    c = make_case(10, 45, 4, 2, 16, torch.float32, seed=5)
+    dev = to_device(c, triton_device)
+    other = dict(dev, q=dev["q"].flip(0))
+    _, stats = attend(other["q"], dev["q_pos"], dev["k"], dev["v"], dev["kv_rows"], dev["kv_pos"], dev["cos"],
+                      dev["sin"], dev["scale"], stats=True, num_splits=2, block_m=16, block_n=16)
+    wrong = score(*_args(dev), stats=stats).cpu()
+    assert not torch.allclose(wrong.sum(dim=1), torch.ones(10), atol=1e-3)
+
+
+def test_attention_and_scores_is_the_two_ops(triton_device):
+    """The public op on both backends: the same as fused_attention and attention_scores called apart."""
+    from kvfuse.kernels import attention_and_scores, fused_attention
+
+    c = make_case(7, 33, 4, 2, 16, torch.float32, seed=2)
+    for backend, case in (("torch", c), ("triton", to_device(c, triton_device))):
+        a = (case["q"], case["q_pos"], case["k"], case["v"], case["kv_rows"], case["kv_pos"], case["cos"],
+             case["sin"], case["scale"])
+        out, sc = attention_and_scores(*a, backend=backend)
+        assert torch.allclose(out.cpu(), fused_attention(*a, backend=backend).cpu(), atol=1e-6)
+        assert torch.allclose(sc.cpu(), attention_scores(*_args(case), backend=backend).cpu(), atol=1e-6)

@@ -34,8 +34,11 @@ def build(fn, pointers, constexprs, floats=(), warps=4, stages=2):
 bf, f32, i64 = "*bf16", "*fp32", "*i64"
 attn_ptrs = dict(Q=bf, QPOS=i64, K=bf, V=bf, ROWS=i64, KPOS=i64, COS=bf, SIN=bf, OUT=bf, PART_ACC=f32, PART_ML=f32)
 attn_c = dict(GROUP=4, HALF=64, HALF_PAD=64, BLOCK_M=128, BLOCK_N=64, SPLITS=1, SORT_BLOCK=1024, HAS_ROWS=True,
-              K_GATHER=True, ROPE=True, DOT_F32=False, PRECISION="tf32", EMULATE_RNE=False, POS_IS_INDEX=False)
+              K_GATHER=True, ROPE=True, DOT_F32=False, PRECISION="tf32", EMULATE_RNE=False, POS_IS_INDEX=False,
+              STORE_ML=False)
 build(attention._attn_fwd_kernel, attn_ptrs, attn_c, ("qk_scale",), warps=8, stages=3)
+build(attention._attn_fwd_kernel, attn_ptrs, dict(attn_c, BLOCK_M=64, POS_IS_INDEX=True, STORE_ML=True), ("qk_scale",),
+      warps=4, stages=3)                                              # one split, its softmax statistics stored
 build(attention._attn_fwd_kernel, attn_ptrs, dict(attn_c, POS_IS_INDEX=True), ("qk_scale",), warps=8, stages=3)
 build(attention._attn_fwd_kernel, attn_ptrs, dict(attn_c, BLOCK_M=64, SPLITS=8, POS_IS_INDEX=True), ("qk_scale",),
       warps=4, stages=3)                                              # positions computed, split keys (the probe)
@@ -51,8 +54,9 @@ build(attention._attn_fwd_kernel, attn_ptrs, dict(attn_c, GROUP=3, HALF=12, HALF
 fp32_ptrs = {k: (f32 if v == bf else v) for k, v in attn_ptrs.items()}
 build(attention._attn_fwd_kernel, fp32_ptrs, dict(attn_c, BLOCK_M=64, BLOCK_N=32, DOT_F32=True, PRECISION="ieee"),
       ("qk_scale",))
-build(attention._attn_merge_kernel, dict(PART_ACC=f32, PART_ML=f32, OUT=bf),
-      dict(SPLITS=4, HALF=64, HALF_PAD=64, BLOCK_M=32, EMULATE_RNE=False))
+for store_ml in (False, True):
+    build(attention._attn_merge_kernel, dict(PART_ACC=f32, PART_ML=f32, OUT=bf, ML_OUT=f32),
+          dict(SPLITS=4, HALF=64, HALF_PAD=64, BLOCK_M=32, EMULATE_RNE=False, STORE_ML=store_ml))
 score_ptrs = dict(Q=bf, QPOS=i64, K=bf, ROWS=i64, KPOS=i64, COS=f32, SIN=f32, MAX_OUT=f32, SUM_OUT=f32, MAX_IN=f32,
                   SUM_IN=f32, OUT=f32)
 score_c = dict(GROUP=4, HALF=64, HALF_PAD=64, BLOCK_M=64, BLOCK_N=64, HAS_ROWS=True, ROPE=True, DOT_F32=False,
