@@ -1,0 +1,176 @@
+"""Does recomputing a document row only in the deep layers keep the quality? (an experiment, CPU or GPU)
+
+Selective recompute today runs a chosen document row through every layer. The variant measured here starts it at
+layer `s`, from the row's own hidden state there in its document's offline pass (the state the cached K/V of
+layers >= s were projected from): below `s` every document row keeps its cached K/V and only the question rows are
+computed. If the cross-document attention of the shallow layers matters little, a row costs (L - s) / L of a
+full-depth row, so the same compute recomputes L / (L - s) times as many rows; and the question rows' first `s`
+layers are exactly the selection probe's, so they need not run twice.
+
+For each example: full prefill's greedy answer (the teacher), then the student's log-probs over it, teacher-forced,
+for each (start, ratio) pair, all recomputing the rows infoflow selects at that ratio. Printed per variant: KL
+(teacher || student) per answer token, the share of first answer tokens the student's argmax agrees on (three in
+four answers that differ from full prefill's differ there), the share of all answer tokens it agrees on, and the
+compute the recompute costs (ratio x (L - s) / L of the document rows' full-depth cost).
+
+    python benchmarks/deep_start.py --data ../shared/data --datasets 2wikimqa,hotpotqa,musique --limit 20 \
+        --variants 0:0.15,0:0.3,8:0.15,8:0.225,12:0.3,16:0.45
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from kvfuse.engine.adapter import AdaptedDecoder
+from kvfuse.evaluation.data import load_examples
+from kvfuse.evaluation.runner import load_engine
+from kvfuse.kernels.rope import apply_rope_reference
+from kvfuse.training.distill import _answer_rows, document_kv, strategy_selection
+
+
+def _attend(dec, i, h, q_pos, ctx_k, ctx_v, ctx_pos, k_new, v_new, cos, sin):
+    """Layer i's attention of rows at `q_pos` over ctx + themselves (causal by position) and the layer's finish."""
+    s = dec.spec
+    q, k, v = dec.project(i, h)
+    k_all = torch.cat([ctx_k, k])
+    v_all = torch.cat([ctx_v, v])
+    all_pos = torch.cat([ctx_pos, q_pos])
+    mask = all_pos[None, :] <= q_pos[:, None]
+    qr = apply_rope_reference(q, cos[q_pos], sin[q_pos]).transpose(0, 1)
+    kr = apply_rope_reference(k_all, cos[all_pos], sin[all_pos]).transpose(0, 1)
+    o = F.scaled_dot_product_attention(qr, kr, v_all.transpose(0, 1), attn_mask=mask, scale=s.scale, enable_gqa=True)
+    return dec.finish(i, h, o.transpose(0, 1))
+
+
+def doc_hidden(engine, layout, adapter, start: int) -> list[torch.Tensor]:
+    """Each document's hidden state entering layer `start` in its offline pass (alone after the prefix)."""
+    dec = AdaptedDecoder(engine.decoder, adapter) if adapter is not None and adapter.stage == "offline" \
+        else engine.decoder
+    prefix = engine.doc_cache.prefix_kv()
+    p = layout.prefix.end - layout.prefix.start
+    lens = [len(x) for x in layout.doc_ids]
+    cos, sin = engine.runner.rope(p + max(lens))
+    dev = engine.device
+    out = []
+    for ids in layout.doc_ids:
+        pos = torch.arange(p, p + len(ids), device=dev)
+        h = dec.embed_tokens(torch.as_tensor(ids, dtype=torch.long, device=dev))
+        ppos = torch.arange(p, device=dev)
+        for i in range(start):
+            h = _attend(dec, i, h, pos, prefix.k[i], prefix.v[i], ppos, None, None, cos, sin)
+        out.append(h)
+    return out
+
+
+def student(engine, layout, answer, doc_kv, doc_h, recompute, start: int) -> torch.Tensor:
+    """log p over the answer (teacher-forced) when the rows `recompute` are computed from layer `start` on."""
+    dec = engine.decoder
+    dev = dec.device
+    L = dec.spec.n_layers
+    a_ids, a_pos = _answer_rows(layout, answer)
+    cos, sin = engine.runner.rope(layout.n + int(a_ids.numel()))
+    is_doc = torch.zeros(layout.n, dtype=torch.bool)
+    is_doc[layout.prefix.start:layout.prefix.end] = True
+    for sp in layout.docs:
+        is_doc[sp.start:sp.end] = True
+    q_rows = torch.arange(layout.n)[~is_doc]
+    rec = torch.zeros(layout.n, dtype=torch.bool)
+    if recompute is not None and recompute.numel():
+        rec[recompute] = True
+    # the recomputed rows' entry state: their offline hidden state at `start` (the embedding when start is 0)
+    h_rec = torch.cat([h[rec[sp.start:sp.end].to(dev)] for sp, h in zip(layout.docs, doc_h)]) \
+        if rec.any() else None
+    rec_pos = torch.arange(layout.n)[rec]
+    prefix = engine.doc_cache.prefix_kv()
+
+    def ctx(i: int, drop: torch.Tensor | None):
+        ks, vs, ps = [prefix.k[i]], [prefix.v[i]], [torch.arange(layout.prefix.start, layout.prefix.end)]
+        for sp, (k, v) in zip(layout.docs, doc_kv):
+            keep = torch.ones(sp.end - sp.start, dtype=torch.bool) if drop is None else ~drop[sp.start:sp.end]
+            ks.append(k[i][keep.to(dev)])
+            vs.append(v[i][keep.to(dev)])
+            ps.append(torch.arange(sp.start, sp.end)[keep])
+        return torch.cat(ks), torch.cat(vs), torch.cat(ps).to(dev)
+
+    pos = torch.cat([q_rows, a_pos]).to(dev)
+    h = dec.embed_tokens(torch.cat([layout.ids[q_rows], a_ids]).to(dev))
+    for i in range(L):
+        if i == start and h_rec is not None:
+            h = torch.cat([h_rec, h])
+            pos = torch.cat([rec_pos.to(dev), pos])
+        ck, cv, cp = ctx(i, rec if i >= start else None)
+        h = _attend(dec, i, h, pos, ck, cv, cp, None, None, cos, sin)
+    first = int((pos < layout.n - 1).sum())  # rows are sorted within each group; the last prompt row is n - 1
+    order = torch.argsort(pos)
+    h = h[order]
+    return torch.log_softmax(dec.logits(h[first:]).float(), dim=-1)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", required=True)
+    ap.add_argument("--datasets", default="2wikimqa,hotpotqa,musique")
+    ap.add_argument("--limit", type=int, default=20)
+    ap.add_argument("--skip", type=int, default=0)
+    ap.add_argument("--variants", default="0:0.15,0:0.3,8:0.15,8:0.225,12:0.3,16:0.45")
+    ap.add_argument("--model", default="qwen2.5-coder-0.5b")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--adapter", default="auto")
+    ap.add_argument("--answer-tokens", type=int, default=16)
+    ap.add_argument("--out", default=None, help="JSONL of per-example figures")
+    args = ap.parse_args()
+    variants = [(int(a), float(b)) for a, b in (v.split(":") for v in args.variants.split(","))]
+    examples = load_examples(args.data, datasets=args.datasets.split(","), limit=args.limit, skip=args.skip)
+    engine = load_engine(args.model, device=args.device, adapter=None if args.adapter == "none" else args.adapter)
+    adapter = engine.adapter
+    L = engine.decoder.spec.n_layers
+    rows = {v: {"kl": [], "first": [], "tok": []} for v in variants}
+    out = open(args.out, "w") if args.out else None
+    t0 = time.time()
+    with torch.no_grad():
+        for n, ex in enumerate(examples):
+            answer = list(engine.generate(ex.question, ex.docs, strategy="full", max_new_tokens=args.answer_tokens,
+                                          temperature=0.0).token_ids)
+            if not answer:
+                continue
+            teacher = engine.next_token_logprobs(ex.question, ex.docs, answer + [0], strategy="full")
+            teacher = teacher.to(engine.device).float()
+            layout = engine.layout(ex.question, ex.docs)
+            doc_kv = document_kv(engine, layout, adapter)
+            starts = sorted({s for s, _ in variants})
+            hid = {s: doc_hidden(engine, layout, adapter, s) for s in starts}
+            sel = {}
+            rec = {"example": ex.id, "dataset": ex.dataset, "answer": answer}
+            for s, r in variants:
+                if r not in sel:
+                    sel[r] = strategy_selection(engine, layout, doc_kv, "infoflow", r)
+                lp = student(engine, layout, answer + [0], doc_kv, hid[s], sel[r], s)
+                kl = float((teacher.exp() * (teacher - lp)).sum(-1).mean())
+                pred = lp.argmax(-1).cpu().tolist()
+                first = float(pred[0] == answer[0])
+                tok = sum(int(a == b) for a, b in zip(pred, answer)) / len(answer)
+                rows[(s, r)]["kl"].append(kl)
+                rows[(s, r)]["first"].append(first)
+                rows[(s, r)]["tok"].append(tok)
+                rec[f"{s}:{r}"] = {"kl": kl, "first": first, "tok": tok}
+            if out:
+                out.write(json.dumps(rec) + "\n")
+                out.flush()
+            print(f"[{n + 1}/{len(examples)}] {ex.id} {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
+    print(f"{len(rows[variants[0]]['kl'])} answers, {args.datasets}, model {args.model}, adapter {args.adapter}")
+    print("| start layer | ratio | compute (share of full-depth rows) | KL | first token agrees | tokens agree |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for (s, r), m in rows.items():
+        print(f"| {s} | {r:.3f} | {r * (L - s) / L:.3f} | {statistics.mean(m['kl']):.4f} | "
+              f"{100 * statistics.mean(m['first']):.1f}% | {100 * statistics.mean(m['tok']):.1f}% |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
