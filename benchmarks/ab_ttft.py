@@ -7,7 +7,8 @@ captured by an engine keep the kernels of its variant). Prints TTFT medians and 
 
 Variants (`--variant`):
 - positions: key positions computed from indices in the attention kernels (kv_pos None, the shipped path) vs read
-  from a materialised 0..N-1 and searched in every program (`kvfuse.kernels.attention.COMPUTED_POSITIONS`).
+  from a materialised 0..N-1 and searched in every program (the Triton launchers wrapped here to materialise
+  it, as the kernels' callers did before).
 - epilogue: the decoder's residual adds in the GEMM epilogue (`addmm` with beta 1) vs the shipped separate add
   (`linear_add`: `h + F.linear(x, w)`).
 - stats: the question probe's scores normalised by its attention kernel's softmax statistics
@@ -55,11 +56,31 @@ def variants(kind: str, engine):
             return lambda: setattr(bucketed, "attention_and_scores", fn)
         return {"shared statistics": use(attention_and_scores), "two calls": use(apart)}, use(attention_and_scores)
     if kind == "positions":
-        from kvfuse.kernels import attention
+        from kvfuse.kernels._triton import attention as tri_attention
+        from kvfuse.kernels._triton import attn_scores as tri_scores
+        from kvfuse.kernels.attention import positions
 
-        def flag(value):
-            return lambda: setattr(attention, "COMPUTED_POSITIONS", value)
-        return {"positions computed": flag(True), "positions read": flag(False)}, flag(True)
+        shipped = {tri_attention: tri_attention.launch, tri_scores: tri_scores.launch}
+
+        def reading(mod):
+            """mod's launch with kv_pos None materialised as 0..N-1 (read and searched like any given kv_pos)."""
+            launch, at = shipped[mod], (5 if mod is tri_attention else 4)
+
+            def run(*a, **kw):
+                a = list(a)
+                if a[at] is None:
+                    a[at] = positions(a[2], a[at - 1], None)
+                return launch(*a, **kw)
+            return run
+
+        def computed():
+            for mod, launch in shipped.items():
+                mod.launch = launch
+
+        def read():
+            for mod in shipped:
+                mod.launch = reading(mod)
+        return {"positions computed": computed, "positions read": read}, computed
     module = next(sys.modules[c.__module__] for c in type(engine.decoder).__mro__
                   if hasattr(sys.modules[c.__module__], "linear_add"))
     shipped = module.linear_add

@@ -77,10 +77,6 @@ def check_inputs(q, q_pos, k, v, kv_rows, kv_pos, cos, sin):
     return q_pos.long(), kv_rows, None if kv_pos is None else kv_pos.long()
 
 
-#: Whether a kv_pos of None reaches the Triton kernels as such (positions computed from indices). False
-#: materialises 0..N-1 and sends it like any given kv_pos (read and searched in the kernels): the previous path,
-#: kept for side-by-side benchmarks (benchmarks/ab_ttft.py --variant positions); results are identical.
-COMPUTED_POSITIONS = True
 
 
 def key_count(k: torch.Tensor, kv_rows: torch.Tensor | None, kv_pos: torch.Tensor | None) -> int:
@@ -166,9 +162,6 @@ def fused_attention_triton(q, q_pos, k, v, kv_rows, kv_pos, cos, sin, scale):
     q_pos, kv_rows, kv_pos = check_inputs(q, q_pos, k, v, kv_rows, kv_pos, cos, sin)
     choose_backend(q.device, "triton")
     from ._triton.attention import launch
-
-    if kv_pos is None and not COMPUTED_POSITIONS:
-        kv_pos = positions(k, kv_rows, None)
 
     return launch(q, q_pos, k, v, kv_rows, kv_pos, cos, sin, scale)
 

@@ -58,11 +58,7 @@ def attention_scores_triton(q, q_pos, k, kv_rows, kv_pos, cos, sin, scale):
     probabilities summed over heads; never materialises [Hq, M, N]. Same contract as the reference."""
     q_pos, kv_rows, kv_pos = check_inputs(q, q_pos, k, None, kv_rows, kv_pos, cos, sin)
     choose_backend(q.device, "triton")
-    from . import attention
     from ._triton.attn_scores import launch
-
-    if kv_pos is None and not attention.COMPUTED_POSITIONS:
-        kv_pos = positions(k, kv_rows, None)
 
     return launch(q, q_pos, k, kv_rows, kv_pos, cos, sin, scale)
 
@@ -104,11 +100,8 @@ def attention_and_scores(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, 
         return (fused_attention_reference(q, q_pos, k, v, kv_rows, kv_pos, cos, sin, scale),
                 attention_scores_reference(q, q_pos, k, kv_rows, kv_pos, cos, sin, scale))
     q_pos, kv_rows, kv_pos = check_inputs(q, q_pos, k, v, kv_rows, kv_pos, cos, sin)
-    from . import attention
     from ._triton.attention import launch as attend
     from ._triton.attn_scores import launch as score
 
-    if kv_pos is None and not attention.COMPUTED_POSITIONS:
-        kv_pos = positions(k, kv_rows, None)
     out, stats = attend(q, q_pos, k, v, kv_rows, kv_pos, cos, sin, scale, stats=True)
     return out, score(q, q_pos, k, kv_rows, kv_pos, cos, sin, scale, stats=stats)
