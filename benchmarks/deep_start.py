@@ -34,7 +34,7 @@ from kvfuse.kernels.rope import apply_rope_reference
 from kvfuse.training.distill import _answer_rows, document_kv, strategy_selection
 
 
-def _attend(dec, i, h, q_pos, ctx_k, ctx_v, ctx_pos, k_new, v_new, cos, sin):
+def _attend(dec, i, h, q_pos, ctx_k, ctx_v, ctx_pos, cos, sin):
     """Layer i's attention of rows at `q_pos` over ctx + themselves (causal by position) and the layer's finish."""
     s = dec.spec
     q, k, v = dec.project(i, h)
@@ -63,7 +63,7 @@ def doc_hidden(engine, layout, adapter, start: int) -> list[torch.Tensor]:
         h = dec.embed_tokens(torch.as_tensor(ids, dtype=torch.long, device=dev))
         ppos = torch.arange(p, device=dev)
         for i in range(start):
-            h = _attend(dec, i, h, pos, prefix.k[i], prefix.v[i], ppos, None, None, cos, sin)
+            h = _attend(dec, i, h, pos, prefix.k[i], prefix.v[i], ppos, cos, sin)
         out.append(h)
     return out
 
@@ -72,7 +72,7 @@ def student(engine, layout, answer, doc_kv, doc_h, recompute, start: int) -> tor
     """log p over the answer (teacher-forced) when the rows `recompute` are computed from layer `start` on."""
     dec = engine.decoder
     dev = dec.device
-    L = dec.spec.n_layers
+    n_layers = dec.spec.n_layers
     a_ids, a_pos = _answer_rows(layout, answer)
     cos, sin = engine.runner.rope(layout.n + int(a_ids.numel()))
     is_doc = torch.zeros(layout.n, dtype=torch.bool)
@@ -100,12 +100,12 @@ def student(engine, layout, answer, doc_kv, doc_h, recompute, start: int) -> tor
 
     pos = torch.cat([q_rows, a_pos]).to(dev)
     h = dec.embed_tokens(torch.cat([layout.ids[q_rows], a_ids]).to(dev))
-    for i in range(L):
+    for i in range(n_layers):
         if i == start and h_rec is not None:
             h = torch.cat([h_rec, h])
             pos = torch.cat([rec_pos.to(dev), pos])
         ck, cv, cp = ctx(i, rec if i >= start else None)
-        h = _attend(dec, i, h, pos, ck, cv, cp, None, None, cos, sin)
+        h = _attend(dec, i, h, pos, ck, cv, cp, cos, sin)
     first = int((pos < layout.n - 1).sum())  # rows are sorted within each group; the last prompt row is n - 1
     order = torch.argsort(pos)
     h = h[order]

@@ -27,6 +27,17 @@ def tables(n: int, d: int, base: float, device):
     return emb.cos().to(torch.bfloat16), emb.sin().to(torch.bfloat16)
 
 
+def pool_case(n: int, hkv: int, d: int, base: float, g, dev):
+    """(k, v, rows, cos, sin): a pool of n + 1024 bf16 K/V rows, the n attended gathered from it in shuffled
+    512-row documents (as the fused prefills read them), RoPE tables for n + 64 positions."""
+    pool = n + 1024
+    k = torch.randn(pool, hkv, d, generator=g).to(torch.bfloat16).to(dev)
+    v = torch.randn(pool, hkv, d, generator=g).to(torch.bfloat16).to(dev)
+    docs = torch.randperm(pool // 512, generator=g)
+    rows = torch.cat([torch.arange(x * 512, x * 512 + 512) for x in docs.tolist()])[:n].to(dev)
+    return (k, v, rows, *tables(n + 64, d, base, dev))
+
+
 def graph_ms(fn, reps: int = 50) -> float:
     """Median-free mean GPU time of one call, replayed from a CUDA graph (no launch overhead)."""
     s = torch.cuda.Stream()
@@ -60,12 +71,7 @@ def main() -> int:
     for shape in args.shapes.split(","):
         hq, hkv, d, base = SHAPES[shape]
         for n in args.n:
-            pool = n + 1024
-            k = torch.randn(pool, hkv, d, generator=g).to(torch.bfloat16).to(dev)
-            v = torch.randn(pool, hkv, d, generator=g).to(torch.bfloat16).to(dev)
-            docs = torch.randperm(pool // 512, generator=g)
-            rows = torch.cat([torch.arange(x * 512, x * 512 + 512) for x in docs.tolist()])[:n].to(dev)
-            cos, sin = tables(n + 64, d, base, dev)
+            k, v, rows, cos, sin = pool_case(n, hkv, d, base, g, dev)
             question = torch.arange(n - 64, n, device=dev)
             picked = torch.sort(torch.randperm(n - 64, generator=g)[: int(0.15 * n)]).values.to(dev)
             kv_pos = torch.arange(n, device=dev)

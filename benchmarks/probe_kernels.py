@@ -23,7 +23,7 @@ from kvfuse.kernels._triton import attn_scores as tri_scores
 from kvfuse.kernels.attention import fused_attention
 from kvfuse.kernels.attn_scores import attention_and_scores, attention_scores
 
-from positions_as_indices import SHAPES, graph_ms, tables
+from positions_as_indices import SHAPES, graph_ms, pool_case
 
 
 def _sweep(name, run, ref, options, tol):
@@ -64,12 +64,7 @@ def main() -> int:
         hq, hkv, d, base = SHAPES[shape]
         scale = d ** -0.5
         for n in args.n:
-            pool = n + 1024
-            k = torch.randn(pool, hkv, d, generator=g).to(torch.bfloat16).to(dev)
-            v = torch.randn(pool, hkv, d, generator=g).to(torch.bfloat16).to(dev)
-            docs = torch.randperm(pool // 512, generator=g)
-            rows = torch.cat([torch.arange(x * 512, x * 512 + 512) for x in docs.tolist()])[:n].to(dev)
-            cos, sin = tables(n + 64, d, base, dev)
+            k, v, rows, cos, sin = pool_case(n, hkv, d, base, g, dev)
             q_pos = torch.arange(n - args.rows, n, device=dev)
             q = torch.randn(args.rows, hq, d, generator=g).to(torch.bfloat16).to(dev)
 
