@@ -15,6 +15,10 @@ compute the recompute costs (ratio x (L - s) / L of the document rows' full-dept
 
     python benchmarks/deep_start.py --data ../shared/data --datasets 2wikimqa,hotpotqa,musique --limit 20 \
         --variants 0:0.15,0:0.3,8:0.15,8:0.225,12:0.3,16:0.45
+
+`--bands a-b,...` adds an oracle diagnosis at 15%: the rows not recomputed get full prefill's own (contextual) K/V
+in layers [a, b) instead of their cached ones, so the KL left says how much of the fused path's error the stale
+caches of those layers carry (0-L: every layer's, which must give KL 0 up to rounding).
 """
 from __future__ import annotations
 
@@ -31,7 +35,7 @@ from kvfuse.engine.adapter import AdaptedDecoder
 from kvfuse.evaluation.data import load_examples
 from kvfuse.evaluation.runner import load_engine
 from kvfuse.kernels.rope import apply_rope_reference
-from kvfuse.training.distill import _answer_rows, document_kv, strategy_selection
+from kvfuse.training.distill import _answer_rows, document_kv, forward_rows, strategy_selection
 
 
 def _attend(dec, i, h, q_pos, ctx_k, ctx_v, ctx_pos, cos, sin):
@@ -112,6 +116,15 @@ def student(engine, layout, answer, doc_kv, doc_h, recompute, start: int) -> tor
     return torch.log_softmax(dec.logits(h[first:]).float(), dim=-1)
 
 
+def with_true_kv(layout, doc_kv, full_k, full_v, lo: int, hi: int):
+    """The documents' caches with layers [lo, hi) replaced by full prefill's K/V of the same rows."""
+    out = []
+    for sp, (ks, vs) in zip(layout.docs, doc_kv):
+        out.append(([full_k[i][sp.start:sp.end] if lo <= i < hi else k for i, k in enumerate(ks)],
+                    [full_v[i][sp.start:sp.end] if lo <= i < hi else v for i, v in enumerate(vs)]))
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", required=True)
@@ -124,13 +137,15 @@ def main() -> int:
     ap.add_argument("--adapter", default="auto")
     ap.add_argument("--answer-tokens", type=int, default=16)
     ap.add_argument("--out", default=None, help="JSONL of per-example figures")
+    ap.add_argument("--bands", default="", help="oracle layer bands a-b (see the module doc)")
     args = ap.parse_args()
-    variants = [(int(a), float(b)) for a, b in (v.split(":") for v in args.variants.split(","))]
+    variants = [(int(a), float(b)) for a, b in (v.split(":") for v in args.variants.split(",") if v)]
+    bands = [tuple(int(x) for x in b.split("-")) for b in args.bands.split(",") if b]
     examples = load_examples(args.data, datasets=args.datasets.split(","), limit=args.limit, skip=args.skip)
     engine = load_engine(args.model, device=args.device, adapter=None if args.adapter == "none" else args.adapter)
     adapter = engine.adapter
     L = engine.decoder.spec.n_layers
-    rows = {v: {"kl": [], "first": [], "tok": []} for v in variants}
+    rows = {v: {"kl": [], "first": [], "tok": []} for v in variants + [("true", b) for b in bands]}
     out = open(args.out, "w") if args.out else None
     t0 = time.time()
     with torch.no_grad():
@@ -147,10 +162,20 @@ def main() -> int:
             hid = {s: doc_hidden(engine, layout, adapter, s) for s in starts}
             sel = {}
             rec = {"example": ex.id, "dataset": ex.dataset, "answer": answer}
-            for s, r in variants:
-                if r not in sel:
-                    sel[r] = strategy_selection(engine, layout, doc_kv, "infoflow", r)
-                lp = student(engine, layout, answer + [0], doc_kv, hid[s], sel[r], s)
+            if bands:
+                cos, sin = engine.runner.rope(layout.n)
+                _, full_k, full_v = forward_rows(engine.decoder, layout.ids.to(engine.device),
+                                                 torch.arange(layout.n, device=engine.device), cos, sin)
+                hid.setdefault(0, doc_hidden(engine, layout, adapter, 0))
+            for s, r in variants + [("true", b) for b in bands]:
+                kv = doc_kv
+                if s == "true":
+                    kv, r_sel, s_ = with_true_kv(layout, doc_kv, full_k, full_v, *r), 0.15, 0
+                else:
+                    r_sel, s_ = r, s
+                if r_sel not in sel:
+                    sel[r_sel] = strategy_selection(engine, layout, doc_kv, "infoflow", r_sel)
+                lp = student(engine, layout, answer + [0], kv, hid[s_], sel[r_sel], s_)
                 kl = float((teacher.exp() * (teacher - lp)).sum(-1).mean())
                 pred = lp.argmax(-1).cpu().tolist()
                 first = float(pred[0] == answer[0])
@@ -167,6 +192,10 @@ def main() -> int:
     print("| start layer | ratio | compute (share of full-depth rows) | KL | first token agrees | tokens agree |")
     print("|---:|---:|---:|---:|---:|---:|")
     for (s, r), m in rows.items():
+        if s == "true":
+            print(f"| 0, layers {r[0]}-{r[1] - 1} true K/V | 0.150 | 0.150 | {statistics.mean(m['kl']):.4f} | "
+                  f"{100 * statistics.mean(m['first']):.1f}% | {100 * statistics.mean(m['tok']):.1f}% |")
+            continue
         print(f"| {s} | {r:.3f} | {r * (L - s) / L:.3f} | {statistics.mean(m['kl']):.4f} | "
               f"{100 * statistics.mean(m['first']):.1f}% | {100 * statistics.mean(m['tok']):.1f}% |")
     return 0
