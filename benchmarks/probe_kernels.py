@@ -26,7 +26,7 @@ from kvfuse.kernels.attn_scores import attention_and_scores, attention_scores
 from positions_as_indices import SHAPES, graph_ms, pool_case
 
 
-def _sweep(name, run, ref, options, tol):
+def _sweep(run, ref, options, tol):
     """Times `run(**opt)` for the default ({}) and every option; returns rows (opt, ms, max error)."""
     out = []
     for opt in [{}] + options:
@@ -76,7 +76,7 @@ def main() -> int:
 
             for label, run, opts, tol in (("attention", attn, attn_opts, 2e-2), ("scores", scores, score_opts, 1e-4)):
                 ref = run()
-                res = _sweep(label, run, ref, [] if args.no_sweep else opts, tol)
+                res = _sweep(run, ref, [] if args.no_sweep else opts, tol)
                 base_ms = res[0][1]
                 ok = sorted((r for r in res if r[1] == r[1]), key=lambda r: r[1])
                 print(f"\n{shape} N={n} {label} ({args.rows} rows): default {base_ms:.4f} ms "

@@ -77,8 +77,6 @@ def check_inputs(q, q_pos, k, v, kv_rows, kv_pos, cos, sin):
     return q_pos.long(), kv_rows, None if kv_pos is None else kv_pos.long()
 
 
-
-
 def key_count(k: torch.Tensor, kv_rows: torch.Tensor | None, kv_pos: torch.Tensor | None) -> int:
     """N: the number of keys attended to."""
     if kv_pos is not None:

@@ -93,8 +93,8 @@ def attention_and_scores(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, 
                          sin: torch.Tensor | None, scale: float, *,
                          backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(`fused_attention(...)`, `attention_scores(...)`) of the same arguments in one call. On the Triton path the
-    scores reuse the attention kernel's softmax statistics (row max and sum per query and q head, per key split)
-    instead of a statistics pass of their own; the result is the two calls' up to fp32 rounding of the
+    scores reuse the attention kernel's softmax statistics (row max and sum per query and q head, merged over
+    its key splits) instead of a statistics pass of their own; the result is the two calls' up to fp32 rounding of the
     normalisation."""
     if choose_backend(q.device, backend) != "triton":
         return (fused_attention_reference(q, q_pos, k, v, kv_rows, kv_pos, cos, sin, scale),

@@ -4,7 +4,9 @@ Pass 1, one program per (query block, q head, key split): online row max and sum
 forward without values), one partial per split. Pass 2, one program per (query block, key block): for every kv
 head the key tile is gathered and rotated once, then each q head of its group recomputes its scores, normalises
 them with the pass-1 statistics (splits merged on the fly) and adds them to one [BLOCK_M, BLOCK_N] fp32
-accumulator. Only [M, N] and 2 x [splits, Hq, M] are written; [Hq, M, N] never exists.
+accumulator. Only [M, N] and 2 x [splits, Hq, M] are written; [Hq, M, N] never exists. Given the softmax
+statistics of the attention of the same queries over the same keys (`attention.launch(stats=True)`), pass 1 is not
+run: a probe layer reads every key twice (attention, probabilities) instead of three times.
 
 Both passes compute every logit with the same code, tile shapes and launch options, so pass 2 recomputes pass 1's
 fp32 logits exactly and the normalisation is consistent (the row maximum gives exp2(0) = 1). The keys are
@@ -188,8 +190,8 @@ def launch(q, q_pos, k, kv_rows, kv_pos, cos, sin, scale, *, block_m: int | None
            num_splits: int | None = None, prerotate: bool | None = None, stats: torch.Tensor | None = None):
     """Runs both passes on validated inputs; blocks, key splits of the stats pass and the up-front rotation may
     be overridden. `stats`: the softmax statistics of the attention of the same queries over the same keys
-    (`attention.launch(stats=True)`'s second output, [splits, M, Hq, 2]): pass 1 is skipped and the
-    probabilities are normalised by them."""
+    (`attention.launch(stats=True)`'s second output, [1, M, Hq, 2], or per-split partials [splits, M, Hq, 2]):
+    pass 1 is not run and the probabilities are normalised by them."""
     q, k, cos, sin = (unit_last_stride(t) for t in (q, k, cos, sin))
     m, hq, d = q.shape
     hkv = k.shape[1]
@@ -202,7 +204,8 @@ def launch(q, q_pos, k, kv_rows, kv_pos, cos, sin, scale, *, block_m: int | None
     bm, bn, warps, stages = pick_blocks(m, d, q.dtype, interpreting, n, sms)
     bm, bn = block_m or bm, block_n or bn
     warps, stages = num_warps or warps, num_stages or stages
-    splits = num_splits or pick_splits(triton.cdiv(m, bm) * hq, n, bn, q.device)
+    splits = stats.shape[0] if stats is not None else (num_splits or pick_splits(triton.cdiv(m, bm) * hq, n, bn,
+                                                                                    q.device))
     q_pos = q_pos.contiguous()
     by_index = kv_pos is None
     kv_pos = q_pos if by_index else kv_pos.contiguous()  # placeholder pointer when positions are indices
@@ -233,7 +236,7 @@ def launch(q, q_pos, k, kv_rows, kv_pos, cos, sin, scale, *, block_m: int | None
         strides = (hq * m, m, 1)
     else:  # [splits, M, Hq, 2]: the max and the sum interleaved
         stats = stats.contiguous()
-        row_max, row_sum, splits = stats[..., 0], stats[..., 1], stats.shape[0]
+        row_max, row_sum = stats[..., 0], stats[..., 1]
         strides = (m * hq * 2, 2, hq * 2)
     _probs_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
         q, q_pos, k, rows, kv_pos, cos_t, sin_t, row_max, row_sum, out,
