@@ -38,10 +38,10 @@ from kvfuse.kernels.rope import apply_rope_reference
 from kvfuse.training.distill import _answer_rows, document_kv, forward_rows, strategy_selection
 
 
-def _attend(dec, i, h, q_pos, ctx_k, ctx_v, ctx_pos, cos, sin):
+def _attend(dec, i, h, q_pos, ctx_k, ctx_v, ctx_pos, cos, sin, qkv=None):
     """Layer i's attention of rows at `q_pos` over ctx + themselves (causal by position) and the layer's finish."""
     s = dec.spec
-    q, k, v = dec.project(i, h)
+    q, k, v = dec.project(i, h) if qkv is None else qkv
     k_all = torch.cat([ctx_k, k])
     v_all = torch.cat([ctx_v, v])
     all_pos = torch.cat([ctx_pos, q_pos])
@@ -116,6 +116,73 @@ def student(engine, layout, answer, doc_kv, doc_h, recompute, start: int) -> tor
     return torch.log_softmax(dec.logits(h[first:]).float(), dim=-1)
 
 
+def student_shift(engine, layout, answer, doc_kv, recompute, lo: int, hi: int, mode: str, parts: str,
+                  alpha: float) -> torch.Tensor:
+    """log p over the answer when the rows not recomputed are corrected in layers [lo, hi).
+
+    At each such layer the recomputed rows' fresh K/V (projected in this pass) minus their cached K/V give a drift;
+    the rows not recomputed get their cached K/V plus `alpha` x the mean drift (pre-rotation) of the recomputed rows
+    of their own document (`mode` "doc"; a document with none gets none) or of every document ("all"), on K, V or
+    both (`parts`: "k", "v", "kv")."""
+    dec = engine.decoder
+    dev = dec.device
+    a_ids, a_pos = _answer_rows(layout, answer)
+    cos, sin = engine.runner.rope(layout.n + int(a_ids.numel()))
+    is_doc = torch.zeros(layout.n, dtype=torch.bool)
+    is_doc[layout.prefix.start:layout.prefix.end] = True
+    doc_of = torch.full((layout.n,), -1, dtype=torch.long)
+    for d, sp in enumerate(layout.docs):
+        is_doc[sp.start:sp.end] = True
+        doc_of[sp.start:sp.end] = d
+    q_rows = torch.arange(layout.n)[~is_doc]
+    rec = torch.zeros(layout.n, dtype=torch.bool)
+    if recompute is not None and recompute.numel():
+        rec[recompute] = True
+    rec_pos = torch.arange(layout.n)[rec]
+    rec_doc = doc_of[rec_pos].to(dev)
+    n_rec = int(rec_pos.numel())
+    prefix = engine.doc_cache.prefix_kv()
+    pos = torch.cat([rec_pos, q_rows, a_pos]).to(dev)
+    h = dec.embed_tokens(torch.cat([layout.ids[rec_pos], layout.ids[q_rows], a_ids]).to(dev))
+    for i in range(dec.spec.n_layers):
+        q, k, v = dec.project(i, h)
+        drift = {}
+        if lo <= i < hi and n_rec:
+            ck = torch.cat([dk[i][rec[sp.start:sp.end].to(dev)] for sp, (dk, _) in zip(layout.docs, doc_kv)])
+            cv = torch.cat([dv[i][rec[sp.start:sp.end].to(dev)] for sp, (_, dv) in zip(layout.docs, doc_kv)])
+            dk_all, dv_all = (k[:n_rec] - ck).float(), (v[:n_rec] - cv).float()
+            for d, sp in enumerate(layout.docs):
+                m = torch.ones_like(rec_doc, dtype=torch.bool) if mode == "all" else rec_doc == d
+                if not m.any():
+                    continue
+                if mode.startswith("near"):  # weights exp(-|distance| / tau) over the document's recomputed rows
+                    tau = float(mode[4:])
+                    keep_pos = torch.arange(sp.start, sp.end)[~rec[sp.start:sp.end]].to(dev)
+                    w = torch.softmax(-(keep_pos[:, None] - rec_pos.to(dev)[m][None, :]).abs().float() / tau, dim=1)
+                    drift[d] = (alpha * (w @ dk_all[m].flatten(1)).view(-1, *dk_all.shape[1:])
+                                if "k" in parts else None,
+                                alpha * (w @ dv_all[m].flatten(1)).view(-1, *dv_all.shape[1:])
+                                if "v" in parts else None)
+                    continue
+                drift[d] = (alpha * dk_all[m].mean(0) if "k" in parts else None,
+                            alpha * dv_all[m].mean(0) if "v" in parts else None)
+        ks, vs, ps = [prefix.k[i]], [prefix.v[i]], [torch.arange(layout.prefix.start, layout.prefix.end)]
+        for d, (sp, (dk, dv)) in enumerate(zip(layout.docs, doc_kv)):
+            keep = ~rec[sp.start:sp.end]
+            kk, vv = dk[i][keep.to(dev)], dv[i][keep.to(dev)]
+            if d in drift:
+                sk, sv = drift[d]
+                kk = kk if sk is None else (kk.float() + sk).to(kk.dtype)
+                vv = vv if sv is None else (vv.float() + sv).to(vv.dtype)
+            ks.append(kk)
+            vs.append(vv)
+            ps.append(torch.arange(sp.start, sp.end)[keep])
+        h = _attend(dec, i, h, pos, torch.cat(ks), torch.cat(vs), torch.cat(ps).to(dev), cos, sin, qkv=(q, k, v))
+    first = int((pos < layout.n - 1).sum())
+    h = h[torch.argsort(pos)]
+    return torch.log_softmax(dec.logits(h[first:]).float(), dim=-1)
+
+
 def with_true_kv(layout, doc_kv, full_k, full_v, lo: int, hi: int):
     """The documents' caches with layers [lo, hi) replaced by full prefill's K/V of the same rows."""
     out = []
@@ -138,14 +205,18 @@ def main() -> int:
     ap.add_argument("--answer-tokens", type=int, default=16)
     ap.add_argument("--out", default=None, help="JSONL of per-example figures")
     ap.add_argument("--bands", default="", help="oracle layer bands a-b (see the module doc)")
+    ap.add_argument("--shift", default="", help="drift corrections lo-hi:doc|all:k|v|kv:alpha, comma separated "
+                    "(infoflow 15%%; see student_shift)")
     args = ap.parse_args()
     variants = [(int(a), float(b)) for a, b in (v.split(":") for v in args.variants.split(",") if v)]
     bands = [tuple(int(x) for x in b.split("-")) for b in args.bands.split(",") if b]
+    shifts = [x for x in args.shift.split(",") if x]
     examples = load_examples(args.data, datasets=args.datasets.split(","), limit=args.limit, skip=args.skip)
     engine = load_engine(args.model, device=args.device, adapter=None if args.adapter == "none" else args.adapter)
     adapter = engine.adapter
     L = engine.decoder.spec.n_layers
-    rows = {v: {"kl": [], "first": [], "tok": []} for v in variants + [("true", b) for b in bands]}
+    extra = [("true", b) for b in bands] + [("shift", x) for x in shifts]
+    rows = {v: {"kl": [], "first": [], "tok": []} for v in variants + extra}
     out = open(args.out, "w") if args.out else None
     t0 = time.time()
     with torch.no_grad():
@@ -167,15 +238,24 @@ def main() -> int:
                 _, full_k, full_v = forward_rows(engine.decoder, layout.ids.to(engine.device),
                                                  torch.arange(layout.n, device=engine.device), cos, sin)
                 hid.setdefault(0, doc_hidden(engine, layout, adapter, 0))
-            for s, r in variants + [("true", b) for b in bands]:
+            for s, r in variants + extra:
                 kv = doc_kv
-                if s == "true":
-                    kv, r_sel, s_ = with_true_kv(layout, doc_kv, full_k, full_v, *r), 0.15, 0
+                if s == "shift":
+                    rng, mode, parts, alpha = r.split(":")
+                    lo, hi = (int(x) for x in rng.split("-"))
+                    r_sel = 0.15
+                    if r_sel not in sel:
+                        sel[r_sel] = strategy_selection(engine, layout, doc_kv, "infoflow", r_sel)
+                    lp = student_shift(engine, layout, answer + [0], doc_kv, sel[r_sel], lo, hi, mode, parts,
+                                       float(alpha))
                 else:
-                    r_sel, s_ = r, s
-                if r_sel not in sel:
-                    sel[r_sel] = strategy_selection(engine, layout, doc_kv, "infoflow", r_sel)
-                lp = student(engine, layout, answer + [0], kv, hid[s_], sel[r_sel], s_)
+                    if s == "true":
+                        kv, r_sel, s_ = with_true_kv(layout, doc_kv, full_k, full_v, *r), 0.15, 0
+                    else:
+                        r_sel, s_ = r, s
+                    if r_sel not in sel:
+                        sel[r_sel] = strategy_selection(engine, layout, doc_kv, "infoflow", r_sel)
+                    lp = student(engine, layout, answer + [0], kv, hid[s_], sel[r_sel], s_)
                 kl = float((teacher.exp() * (teacher - lp)).sum(-1).mean())
                 pred = lp.argmax(-1).cpu().tolist()
                 first = float(pred[0] == answer[0])
@@ -192,6 +272,10 @@ def main() -> int:
     print("| start layer | ratio | compute (share of full-depth rows) | KL | first token agrees | tokens agree |")
     print("|---:|---:|---:|---:|---:|---:|")
     for (s, r), m in rows.items():
+        if s == "shift":
+            print(f"| 0, drift {r} | 0.150 | 0.150 | {statistics.mean(m['kl']):.4f} | "
+                  f"{100 * statistics.mean(m['first']):.1f}% | {100 * statistics.mean(m['tok']):.1f}% |")
+            continue
         if s == "true":
             print(f"| 0, layers {r[0]}-{r[1] - 1} true K/V | 0.150 | 0.150 | {statistics.mean(m['kl']):.4f} | "
                   f"{100 * statistics.mean(m['first']):.1f}% | {100 * statistics.mean(m['tok']):.1f}% |")

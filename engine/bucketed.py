@@ -257,7 +257,8 @@ class LayoutGraphs:
     def plan(self, plan, ids: Tensor, strategy, ratio: float, probe_gap: bool = False) -> _Host | None:
         """The request's bucket and packed inputs, or None when it is not eligible. `probe_gap`: the probe also
         reads its last row's first-token top-2 gap (GenerationOptions.guard_at="probe"; `run`'s `probe_guard`)."""
-        if not getattr(strategy, "layout_free", False) or not plan.want_logits or plan.capture is not None:
+        if not getattr(strategy, "layout_free", False) or not plan.want_logits or plan.capture is not None \
+                or getattr(strategy, "drift", 0.0):  # the drift correction runs eagerly (runner._Drift)
             return None
         n, spec = plan.n, self.spec
         cached = plan.cached

@@ -292,7 +292,7 @@ class Runner:
         """The CUDA-graph signature of a request, or None when it cannot be replayed from a graph."""
         if self.graphs is None or not plan.want_logits or plan.capture is not None:
             return None
-        if not getattr(strategy, "graph_safe", False):
+        if not getattr(strategy, "graph_safe", False) or strategy.drift:
             return None
         pools = {id(seg.kv.pool) for seg in plan.cached}
         if plan.cached and (len(pools) != 1 or plan.cached[0].kv.pool is None
@@ -342,6 +342,7 @@ class Runner:
         pos_all = kv_pos if probe_keys is None else probe_keys
         plain = not cached and probe_keys is None  # a plain causal prefill: no cache read, nothing to scatter
         sparse = getattr(strategy, "sparse_plan", None) if plain else None
+        drift = _Drift(strategy, ctx, n, spec.n_layers, dev) if cached and not probe_layers and strategy.drift else None
         per_active = rope_active = None
         for i in range(last_layer + 1):
             if plain:
@@ -387,9 +388,19 @@ class Runner:
                     rows[active if probe_keys is None else torch.searchsorted(probe_keys, active)] = scratch
                 per_active = (scratch, rows)
             scratch, rows = per_active
+            corrected = drift.apply(i, src, kpool, vpool, active, k, v) if drift is not None else None
             scatter_rows(kpool, scratch, k)
             scatter_rows(vpool, scratch, v)
-            if keep:
+            if corrected is not None:  # the rows not recomputed now read their corrected copies, and decoding too
+                t_pos, t_k, t_v, t_rows = corrected
+                scatter_rows(kpool, t_rows, t_k)
+                scatter_rows(vpool, t_rows, t_v)
+                if rows is not None:
+                    rows = rows.clone()
+                    rows[t_pos] = t_rows
+                if keep:
+                    fresh.append((torch.cat([active, t_pos]), torch.cat([k, t_k]), torch.cat([v, t_v])))
+            elif keep:
                 fresh.append((active, own(k), own(v)))
             if capture is not None:
                 lo = int(torch.searchsorted(active, capture[0]))
@@ -417,6 +428,53 @@ class Runner:
         captured = DocKV(torch.stack(cap_k), torch.stack(cap_v)) if capture is not None else None
         return Runner._Run(h=h, active=active, active_docs=active_docs, captured=captured, probes=probes,
                            pending=(src, fresh, n) if keep else None)
+
+
+class _Drift:
+    """The drift correction of the rows not recomputed (a strategy's `drift` option; make_strategy).
+
+    From layer `start` on, a cached document row drifts from its cached K/V because the full prompt's other
+    documents change its context. The rows recomputed at a layer measure that drift (fresh minus cached K/V); each
+    document row not recomputed gets `alpha` x the mean drift of its own document's recomputed rows added to its
+    cached K and V (pre-RoPE), and a document with none recomputed keeps its cache. The corrected rows are written
+    to the request's scratch rows (position p's own row), never to the shared cache, and go to decoding with the
+    computed ones. Eager only: a prefill with it runs neither whole-prefill nor bucketed graphs.
+    """
+
+    def __init__(self, strategy, ctx: SelectContext, n: int, n_layers: int, device) -> None:
+        self.alpha = float(strategy.drift)
+        self.start = min(n_layers - 1, int(round(strategy.drift_from * n_layers)))
+        self.n_docs = len(ctx.doc_spans)
+        self.doc_of = torch.full((n,), -1, dtype=torch.long, device=device)
+        for d, (s, e) in enumerate(ctx.doc_spans):
+            self.doc_of[s:e] = d
+        self.candidates = ctx.candidates.to(device)
+
+    def apply(self, i: int, src, kpool: Tensor, vpool: Tensor, active: Tensor, k: Tensor, v: Tensor):
+        """(positions, corrected k, corrected v, their scratch rows) of layer i, or None (before `start`). `active`:
+        the rows computed at this layer (k, v theirs; at a check layer, before it shrinks them). Reads the cached
+        rows, so it runs before the fresh rows are scattered."""
+        if i < self.start or self.n_docs == 0:
+            return None
+        docs = self.doc_of[active]
+        mine = docs >= 0  # the computed rows that are document rows
+        docs = docs.clamp_min(0)
+        count = torch.zeros(self.n_docs, dtype=torch.float32, device=k.device)
+        count.index_add_(0, docs, mine.float())
+        scale = (self.alpha / count.clamp_min(1.0))[:, None, None]
+        targets = self.candidates[~torch.isin(self.candidates, active)]
+        t_docs = self.doc_of[targets]
+        t_base = src.base_rows[targets]
+        base = src.base_rows[active]
+        out = []
+        for fresh, pool in ((k, kpool), (v, vpool)):
+            # a computed row that is not a document row reads whatever its row holds: masked, never multiplied
+            delta = torch.where(mine[:, None, None], fresh.float() - pool.index_select(0, base).float(), 0.0)
+            drift = torch.zeros((self.n_docs, *fresh.shape[1:]), dtype=torch.float32, device=k.device)
+            drift.index_add_(0, docs, delta)
+            drift *= scale
+            out.append((pool.index_select(0, t_base).float() + drift[t_docs]).to(pool.dtype))
+        return targets, out[0], out[1], src.scratch_rows[targets]
 
 
 class _GraphCache:

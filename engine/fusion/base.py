@@ -103,6 +103,9 @@ def topk_positions(scores: Tensor, positions: Tensor, k: int) -> Tensor:
     return torch.sort(positions[idx]).values
 
 
+DRIFT_FROM = 0.25  # default first layer of the drift correction, as a share of the depth
+
+
 class Strategy(ABC):
     """Base class; subclasses set `name` and override what they need.
 
@@ -123,6 +126,8 @@ class Strategy(ABC):
     layout_free: ClassVar[bool] = False  # its choice is a top-k of `scores`/`refine_scores`, or a host function of
     #   the layout alone: it runs in bucketed graphs whatever the layout (engine/bucketed.py)
     refine_scores = None  # optional (fresh, cached) [T, kv_heads, head_dim] -> [T] scores of its one check layer
+    drift: float = 0.0  # the drift correction's weight (make_strategy's `drift` option; 0 = off)
+    drift_from: float = DRIFT_FROM  # its first layer, as a share of the depth
 
     def probe_layers(self, n_layers: int) -> tuple[int, ...]:
         """Layers at which the question probe records attention (empty: no probe)."""
@@ -209,10 +214,27 @@ def probes(spec: str | Strategy) -> bool:
 
 def make_strategy(name: str | Strategy, **options) -> Strategy:
     """A strategy instance by name or spec (`parse_spec`; options go to its constructor, keywords over the
-    spec's), or the instance given."""
+    spec's), or the instance given.
+
+    Two options every strategy takes (they act in the runner, not in selection): `drift` (in [0, 1]; 0 = off)
+    and `drift_from` (in [0, 1), default 0.25): from layer round(drift_from x layers) on, each document row that is
+    not recomputed gets `drift` x its document's mean drift added to its cached K and V, where the drift is the
+    recomputed rows' fresh minus cached K/V at that layer (`Runner._drift`). Set on the instance as attributes, so
+    they are part of its signature."""
     if isinstance(name, Strategy):
         return name
     name, spec_options = parse_spec(name)
     if name not in _REGISTRY:
         raise ValueError(f"unknown strategy {name!r}; available: {', '.join(available())}")
-    return _REGISTRY[name](**{**spec_options, **options})
+    options = {**spec_options, **options}
+    drift = options.pop("drift", 0.0)
+    drift_from = options.pop("drift_from", DRIFT_FROM)
+    for key, value, hi in (("drift", drift, 1.0), ("drift_from", drift_from, 1.0)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= float(value) <= hi \
+                or (key == "drift_from" and float(value) == hi):
+            raise ValueError(f"strategy {name!r}: {key} must be a number in [0, 1{']' if key == 'drift' else ')'}, "
+                             f"got {value!r}")
+    strategy = _REGISTRY[name](**options)
+    if float(drift) > 0.0:
+        strategy.drift, strategy.drift_from = float(drift), float(drift_from)
+    return strategy
