@@ -122,8 +122,9 @@ def student_shift(engine, layout, answer, doc_kv, recompute, lo: int, hi: int, m
 
     At each such layer the recomputed rows' fresh K/V (projected in this pass) minus their cached K/V give a drift;
     the rows not recomputed get their cached K/V plus `alpha` x the mean drift (pre-rotation) of the recomputed rows
-    of their own document (`mode` "doc"; a document with none gets none) or of every document ("all"), on K, V or
-    both (`parts`: "k", "v", "kv")."""
+    of their own document (`mode` "doc"; a document with none gets none), of every document ("all"), of the
+    document's rows weighted by exp(-distance / T) ("nearT"), or the document's sum over n rows / (n + C)
+    ("shrinkC"), on K, V or both (`parts`: "k", "v", "kv")."""
     dec = engine.decoder
     dev = dec.device
     a_ids, a_pos = _answer_rows(layout, answer)
@@ -164,8 +165,10 @@ def student_shift(engine, layout, answer, doc_kv, recompute, lo: int, hi: int, m
                                 alpha * (w @ dv_all[m].flatten(1)).view(-1, *dv_all.shape[1:])
                                 if "v" in parts else None)
                     continue
-                drift[d] = (alpha * dk_all[m].mean(0) if "k" in parts else None,
-                            alpha * dv_all[m].mean(0) if "v" in parts else None)
+                # "shrinkC": the document's drift summed over its n recomputed rows / (n + C), toward 0 when n is small
+                denom = int(m.sum()) + (float(mode[6:]) if mode.startswith("shrink") else 0.0)
+                drift[d] = (alpha * dk_all[m].sum(0) / denom if "k" in parts else None,
+                            alpha * dv_all[m].sum(0) / denom if "v" in parts else None)
         ks, vs, ps = [prefix.k[i]], [prefix.v[i]], [torch.arange(layout.prefix.start, layout.prefix.end)]
         for d, (sp, (dk, dv)) in enumerate(zip(layout.docs, doc_kv)):
             keep = ~rec[sp.start:sp.end]
@@ -205,7 +208,7 @@ def main() -> int:
     ap.add_argument("--answer-tokens", type=int, default=16)
     ap.add_argument("--out", default=None, help="JSONL of per-example figures")
     ap.add_argument("--bands", default="", help="oracle layer bands a-b (see the module doc)")
-    ap.add_argument("--shift", default="", help="drift corrections lo-hi:doc|all:k|v|kv:alpha, comma separated "
+    ap.add_argument("--shift", default="", help="drift corrections lo-hi:doc|all|nearT|shrinkC:k|v|kv:alpha, comma separated "
                     "(infoflow 15%%; see student_shift)")
     args = ap.parse_args()
     variants = [(int(a), float(b)) for a, b in (v.split(":") for v in args.variants.split(",") if v)]

@@ -161,6 +161,9 @@ class _Host:
     check: int = -1  # check kind: the check layer
     vb: int = 0  # probe kind: bucket of the probe's compressed key view (0: the probe sees every key)
     gap: bool = False  # probe kind: the probe also runs to the last layer and gives the first token's top-2 gap
+    drift: int = -1  # the drift correction's first layer (strategy.drift; -1: off)
+    db: int = 0  # its per-document table's rows (>= the documents; a power of two)
+    every: Tensor | None = None  # with drift: computed and candidate positions (host), private from its first layer
 
 
 class _Inputs:
@@ -179,7 +182,7 @@ class _Inputs:
         self.ids = take(nb)            # [N] token ids (0 past the prompt)
         self.base = take(nb + 1)       # [N + 1] pool row of each position (+ a trash slot)
         self.must = take(mb)           # [M] always-computed positions (-1 = padding)
-        self.cand = take(nb)           # [N] 1 where the position is a candidate document row
+        self.cand = take(nb)           # [N] d + 1 where the position is a row of candidate document d, else 0
         self.pre = take(nb)            # [N] check kind: slot p holds p if computed up to the check layer, else -1
         self.chosen = take(kb)         # [K] host kind: chosen positions (-1 = padding)
         self.scalars = take(4)         # [k, index of the last prompt row among the final active rows,
@@ -257,8 +260,7 @@ class LayoutGraphs:
     def plan(self, plan, ids: Tensor, strategy, ratio: float, probe_gap: bool = False) -> _Host | None:
         """The request's bucket and packed inputs, or None when it is not eligible. `probe_gap`: the probe also
         reads its last row's first-token top-2 gap (GenerationOptions.guard_at="probe"; `run`'s `probe_guard`)."""
-        if not getattr(strategy, "layout_free", False) or not plan.want_logits or plan.capture is not None \
-                or getattr(strategy, "drift", 0.0):  # the drift correction runs eagerly (runner._Drift)
+        if not getattr(strategy, "layout_free", False) or not plan.want_logits or plan.capture is not None:
             return None
         n, spec = plan.n, self.spec
         cached = plan.cached
@@ -271,6 +273,10 @@ class LayoutGraphs:
         kind = strategy_kind(strategy, spec.n_layers)
         if kind is None or (kind != "plain" and not cached):  # nothing cached: the exact path is a plain prefill
             return None
+        drift = drift_start(strategy, spec.n_layers) if kind != "plain" else None
+        if drift is not None and kind == "check" and drift <= strategy.check_layers(spec.n_layers)[0]:
+            return None  # a drift layer at or before the check layer: the eager loop handles it
+        db = 0 if drift is None else max(8, 1 << (len(plan.doc_spans) - 1).bit_length())
         if pool is not None and n >= pool.scratch_rows:  # slot p holds position p; the last one is the trash row
             return None
         must = plan.must_pos
@@ -299,7 +305,7 @@ class LayoutGraphs:
         if sig is None:
             return None
         gap = bool(probe_gap) and kind == "probe"
-        key = (*sig, kind, nb, mb, kb, vb, gap, id(pool))
+        key = (*sig, kind, nb, mb, kb, vb, gap, db, id(pool))
         packed = torch.zeros(_Inputs.width(nb, mb, kb, vb), dtype=torch.long)
         v = _Inputs(packed, nb, mb, kb, vb)
         if view is not None:
@@ -312,7 +318,8 @@ class LayoutGraphs:
             v.base[n:] = base[0]  # keys past the prompt: masked by position; a row that holds finite values
         v.must.fill_(-1)
         v.must[:m] = must
-        v.cand[plan.cand_host] = 1
+        for d, (s, e) in enumerate(plan.doc_spans):
+            v.cand[s:e] = d + 1
         v.pre.fill_(-1)
         pre = None
         if kind == "check":  # every computed and candidate position, ascending: marked, not sorted (O(n))
@@ -330,7 +337,8 @@ class LayoutGraphs:
         v.scalars[2], v.scalars[3] = plan.question_rows or (0, n)
         check = strategy.check_layers(spec.n_layers)[0] if kind == "check" else -1
         return _Host(kind=kind, n=n, nb=nb, m=m, mb=mb, k=k, kb=kb, key=key, packed=packed, pre=pre, pool=pool,
-                     check=check, vb=vb, gap=gap)
+                     check=check, vb=vb, gap=gap, drift=-1 if drift is None else drift, db=db,
+                     every=torch.sort(torch.cat([must, plan.cand_host])).values if drift is not None else None)
 
     # -- device side ------------------------------------------------------------------------------------
     def _rows(self, pool, inp: _Inputs, act: Tensor, nb: int) -> tuple[Tensor, Tensor]:
@@ -429,6 +437,7 @@ class LayoutGraphs:
         else:
             act = _real_first(torch.cat([inp.must, chosen]))
         rows, dst = self._rows(pool, inp, act, h.nb)
+        drift = _BucketDrift(strategy.drift, h, inp, pool) if h.drift >= 0 else None
         x = dec.embed_tokens(inp.ids[act.clamp_min(0)])
         for i in range(spec.n_layers):
             kp, vp = pool.k[i], pool.v[i]
@@ -436,6 +445,8 @@ class LayoutGraphs:
             if i == check:  # slot p is position p here: score every slot, keep the top candidates
                 score = strategy.refine_scores(k, kp.index_select(0, inp.base[:h.nb]))
                 chosen = self._top(score, cand, inp, h.kb)
+            if drift is not None and i >= h.drift:  # every candidate slot's corrected row, then the fresh ones
+                drift.write(kp, vp, act, k, v)
             scatter_rows(kp, dst, k)  # the pool's scratch rows are this layer's fresh K/V (read at open)
             scatter_rows(vp, dst, v)
             if i == check:  # the kept rows go on; at this layer every key is still the fresh one just written
@@ -448,7 +459,8 @@ class LayoutGraphs:
                 end = inp.scalars[1:2]
                 qa, xa, pos = q.index_select(0, end), x.index_select(0, end), act.index_select(0, end)
             qr = apply_rope(qa, cos[pos], sin[pos])
-            x = dec.finish(i, xa, fused_attention(qr, pos, kp, vp, rows, None, cos, sin, spec.scale))
+            keys = drift.rows(rows) if drift is not None and i >= h.drift else rows
+            x = dec.finish(i, xa, fused_attention(qr, pos, kp, vp, keys, None, cos, sin, spec.scale))
             if i == check:
                 rows, dst = self._rows(pool, inp, act, h.nb)
         logits = dec.logits(x)[0].float()
@@ -571,11 +583,65 @@ class LayoutGraphs:
         # those are every candidate's
         late = PoolRows(pool, final + pool.scratch_start)
         early = PoolRows(pool, pre + pool.scratch_start) if pre is not None else None
+        if h.drift >= 0:  # from the drift's first layer every candidate row is the request's own (its scratch row)
+            every = h.every.to(dev, non_blocking=True)
+            drifted = (every, PoolRows(pool, every + pool.scratch_start), None)
         for i in range(self.spec.n_layers):
+            if h.drift >= 0 and i >= h.drift:
+                pending.append(drifted)
+                continue
             pending.append((pre, early, None) if i <= h.check else (final, late, None))
         scratch = torch.arange(pool.scratch_start, pool.scratch_start + n, device=dev)
         src = PooledSource.from_rows(pool, inp.base[:n], scratch)  # the request's rows, already on the device
         return logits, (src, pending, n), recomputed[:h.k]
+
+
+def drift_start(strategy, n_layers: int) -> int | None:
+    """The first layer of a strategy's drift correction (runner._Drift), or None when it has none."""
+    if not getattr(strategy, "drift", 0.0):
+        return None
+    return min(n_layers - 1, int(round(strategy.drift_from * n_layers)))
+
+
+class _BucketDrift:
+    """The drift correction (runner._Drift) inside a bucket: the same arithmetic over every slot, no host read.
+
+    In a drift layer every candidate slot's scratch row gets its cached row plus `alpha` x its document's mean
+    (fresh - cached) over the rows computed at that layer; the fresh rows then overwrite their own slots, and the
+    attention reads every candidate slot from its scratch row."""
+
+    def __init__(self, alpha: float, h: _Host, inp: _Inputs, pool) -> None:
+        nb = h.nb
+        self.alpha, self.db = float(alpha), h.db
+        self.base = inp.base[:nb]
+        doc = inp.cand[:nb] - 1  # [N] document of each slot, -1 where it is not a candidate
+        self.is_cand = doc >= 0
+        self.slot_doc = doc.clamp_min(0)
+        self.doc = inp.cand
+        trash = pool.scratch_start + pool.scratch_rows - 1
+        own = pool.scratch_start + torch.arange(nb, device=inp.buf.device)
+        self.dst = torch.where(self.is_cand, own, trash)  # non-candidate slots write the trash row, never read
+        self.own = own
+
+    def write(self, kp: Tensor, vp: Tensor, act: Tensor, k: Tensor, v: Tensor) -> None:
+        a_doc = self.doc[act.clamp_min(0)] - 1
+        mine = (act >= 0) & (a_doc >= 0)  # computed rows that are candidate document rows
+        a_doc = a_doc.clamp_min(0)
+        count = torch.zeros(self.db, dtype=torch.float32, device=k.device)
+        count.index_add_(0, a_doc, mine.float())
+        scale = (self.alpha / count.clamp_min(1.0))[:, None, None]
+        a_base = self.base.index_select(0, act.clamp_min(0))
+        for fresh, pool in ((k, kp), (v, vp)):
+            delta = torch.where(mine[:, None, None], fresh.float() - pool.index_select(0, a_base).float(), 0.0)
+            table = torch.zeros((self.db, *fresh.shape[1:]), dtype=torch.float32, device=k.device)
+            table.index_add_(0, a_doc, delta)
+            table *= scale
+            out = pool.index_select(0, self.base).float() + table.index_select(0, self.slot_doc)
+            scatter_rows(pool, self.dst, out.to(pool.dtype))
+
+    def rows(self, rows: Tensor) -> Tensor:
+        """The attention's row map in a drift layer: every candidate slot reads its scratch row."""
+        return torch.where(self.is_cand, self.own, rows)
 
 
 class _Chained:

@@ -438,7 +438,8 @@ class _Drift:
     document row not recomputed gets `alpha` x the mean drift of its own document's recomputed rows added to its
     cached K and V (pre-RoPE), and a document with none recomputed keeps its cache. The corrected rows are written
     to the request's scratch rows (position p's own row), never to the shared cache, and go to decoding with the
-    computed ones. Eager only: a prefill with it runs neither whole-prefill nor bucketed graphs.
+    computed ones. Shape-bucket graphs do the same over padded slots (bucketed._BucketDrift); whole-prefill graphs
+    are not used with it.
     """
 
     def __init__(self, strategy, ctx: SelectContext, n: int, n_layers: int, device) -> None:

@@ -16,7 +16,9 @@ from kvfuse.engine.types import as_documents
 from cases import DOCS, QUESTION
 
 LAYOUT_FREE = ["full", "reuse", "epic", "cacheblend", "infoflow", "prophetkv", "qcfuse",
-               "infoflow:window=0.55/0.65:rows=question", "epic:per_doc=4"]  # the question's own rows as data
+               "infoflow:window=0.55/0.65:rows=question", "epic:per_doc=4",  # the question's own rows as data
+               # the drift correction: every candidate row corrected in its scratch row from its first layer on
+               "infoflow:drift=0.7", "epic:drift=0.5:drift_from=0.5", "cacheblend:drift=0.5:drift_from=0.5"]
 EXTRA = [("extra1", "Dunmore lies on the river Aller, two days by coach from Carvel and its old university."),
          ("extra2", "The Helder range is volcanic; its slopes hold three observatories and a small ski resort.")]
 
@@ -131,6 +133,8 @@ def test_ineligible_requests_take_the_exact_path(engines):
     sparse = eng.generate(QUESTION, DOCS, strategy="sift", max_new_tokens=2, min_tokens=0, max_density=1.0,
                           on_miss="compute")  # its sparse plan is per request
     assert sparse.extra["sift"]["sparse"] is True
+    eng.generate(QUESTION, DOCS, strategy="cacheblend:drift=0.5:drift_from=0", recompute_ratio=0.2,
+                 max_new_tokens=2)  # a drift layer at or before the check layer
     assert eng.runner.layout.eager_runs == runs
 
 
