@@ -273,7 +273,7 @@ class LayoutGraphs:
         kind = strategy_kind(strategy, spec.n_layers)
         if kind is None or (kind != "plain" and not cached):  # nothing cached: the exact path is a plain prefill
             return None
-        drift = drift_start(strategy, spec.n_layers) if kind != "plain" else None
+        drift = strategy.drift_layer(spec.n_layers) if kind != "plain" else None
         if drift is not None and kind == "check" and drift <= strategy.check_layers(spec.n_layers)[0]:
             return None  # a drift layer at or before the check layer: the eager loop handles it
         db = 0 if drift is None else max(8, 1 << (len(plan.doc_spans) - 1).bit_length())
@@ -594,13 +594,6 @@ class LayoutGraphs:
         scratch = torch.arange(pool.scratch_start, pool.scratch_start + n, device=dev)
         src = PooledSource.from_rows(pool, inp.base[:n], scratch)  # the request's rows, already on the device
         return logits, (src, pending, n), recomputed[:h.k]
-
-
-def drift_start(strategy, n_layers: int) -> int | None:
-    """The first layer of a strategy's drift correction (runner._Drift), or None when it has none."""
-    if not getattr(strategy, "drift", 0.0):
-        return None
-    return min(n_layers - 1, int(round(strategy.drift_from * n_layers)))
 
 
 class _BucketDrift:

@@ -444,7 +444,7 @@ class _Drift:
 
     def __init__(self, strategy, ctx: SelectContext, n: int, n_layers: int, device) -> None:
         self.alpha = float(strategy.drift)
-        self.start = min(n_layers - 1, int(round(strategy.drift_from * n_layers)))
+        self.start = strategy.drift_layer(n_layers)
         self.n_docs = len(ctx.doc_spans)
         self.doc_of = torch.full((n,), -1, dtype=torch.long, device=device)
         for d, (s, e) in enumerate(ctx.doc_spans):

@@ -129,6 +129,12 @@ class Strategy(ABC):
     drift: float = 0.0  # the drift correction's weight (make_strategy's `drift` option; 0 = off)
     drift_from: float = DRIFT_FROM  # its first layer, as a share of the depth
 
+    def drift_layer(self, n_layers: int) -> int | None:
+        """The first layer of the drift correction (`drift` > 0), or None when it is off."""
+        if not self.drift:
+            return None
+        return min(n_layers - 1, int(round(self.drift_from * n_layers)))
+
     def probe_layers(self, n_layers: int) -> tuple[int, ...]:
         """Layers at which the question probe records attention (empty: no probe)."""
         return ()
@@ -219,7 +225,7 @@ def make_strategy(name: str | Strategy, **options) -> Strategy:
     Two options every strategy takes (they act in the runner, not in selection): `drift` (in [0, 1]; 0 = off)
     and `drift_from` (in [0, 1), default 0.25): from layer round(drift_from x layers) on, each document row that is
     not recomputed gets `drift` x its document's mean drift added to its cached K and V, where the drift is the
-    recomputed rows' fresh minus cached K/V at that layer (`Runner._drift`). Set on the instance as attributes, so
+    recomputed rows' fresh minus cached K/V at that layer (engine/runner.py `_Drift`). Set on the instance as attributes, so
     they are part of its signature."""
     if isinstance(name, Strategy):
         return name
