@@ -208,8 +208,8 @@ def main() -> int:
     ap.add_argument("--answer-tokens", type=int, default=16)
     ap.add_argument("--out", default=None, help="JSONL of per-example figures")
     ap.add_argument("--bands", default="", help="oracle layer bands a-b (see the module doc)")
-    ap.add_argument("--shift", default="", help="drift corrections lo-hi:doc|all|nearT|shrinkC:k|v|kv:alpha, comma separated "
-                    "(infoflow 15%%; see student_shift)")
+    ap.add_argument("--shift", default="", help="drift corrections lo-hi:doc|all|nearT|shrinkC:k|v|kv:alpha, comma "
+                    "separated (infoflow 15%%; see student_shift)")
     args = ap.parse_args()
     variants = [(int(a), float(b)) for a, b in (v.split(":") for v in args.variants.split(",") if v)]
     bands = [tuple(int(x) for x in b.split("-")) for b in args.bands.split(",") if b]
@@ -242,23 +242,19 @@ def main() -> int:
                                                  torch.arange(layout.n, device=engine.device), cos, sin)
                 hid.setdefault(0, doc_hidden(engine, layout, adapter, 0))
             for s, r in variants + extra:
-                kv = doc_kv
+                r_sel = r if isinstance(s, int) else 0.15  # the oracle bands and the drift variants run at 15%
+                if r_sel not in sel:
+                    sel[r_sel] = strategy_selection(engine, layout, doc_kv, "infoflow", r_sel)
                 if s == "shift":
                     rng, mode, parts, alpha = r.split(":")
                     lo, hi = (int(x) for x in rng.split("-"))
-                    r_sel = 0.15
-                    if r_sel not in sel:
-                        sel[r_sel] = strategy_selection(engine, layout, doc_kv, "infoflow", r_sel)
                     lp = student_shift(engine, layout, answer + [0], doc_kv, sel[r_sel], lo, hi, mode, parts,
                                        float(alpha))
+                elif s == "true":
+                    kv = with_true_kv(layout, doc_kv, full_k, full_v, *r)
+                    lp = student(engine, layout, answer + [0], kv, hid[0], sel[r_sel], 0)
                 else:
-                    if s == "true":
-                        kv, r_sel, s_ = with_true_kv(layout, doc_kv, full_k, full_v, *r), 0.15, 0
-                    else:
-                        r_sel, s_ = r, s
-                    if r_sel not in sel:
-                        sel[r_sel] = strategy_selection(engine, layout, doc_kv, "infoflow", r_sel)
-                    lp = student(engine, layout, answer + [0], kv, hid[s_], sel[r_sel], s_)
+                    lp = student(engine, layout, answer + [0], doc_kv, hid[s], sel[r_sel], s)
                 kl = float((teacher.exp() * (teacher - lp)).sum(-1).mean())
                 pred = lp.argmax(-1).cpu().tolist()
                 first = float(pred[0] == answer[0])
@@ -275,16 +271,11 @@ def main() -> int:
     print("| start layer | ratio | compute (share of full-depth rows) | KL | first token agrees | tokens agree |")
     print("|---:|---:|---:|---:|---:|---:|")
     for (s, r), m in rows.items():
-        if s == "shift":
-            print(f"| 0, drift {r} | 0.150 | 0.150 | {statistics.mean(m['kl']):.4f} | "
-                  f"{100 * statistics.mean(m['first']):.1f}% | {100 * statistics.mean(m['tok']):.1f}% |")
-            continue
-        if s == "true":
-            print(f"| 0, layers {r[0]}-{r[1] - 1} true K/V | 0.150 | 0.150 | {statistics.mean(m['kl']):.4f} | "
-                  f"{100 * statistics.mean(m['first']):.1f}% | {100 * statistics.mean(m['tok']):.1f}% |")
-            continue
-        print(f"| {s} | {r:.3f} | {r * (L - s) / L:.3f} | {statistics.mean(m['kl']):.4f} | "
-              f"{100 * statistics.mean(m['first']):.1f}% | {100 * statistics.mean(m['tok']):.1f}% |")
+        head = (f"| 0, drift {r} | 0.150 | 0.150" if s == "shift" else
+                f"| 0, layers {r[0]}-{r[1] - 1} true K/V | 0.150 | 0.150" if s == "true" else
+                f"| {s} | {r:.3f} | {r * (L - s) / L:.3f}")
+        print(f"{head} | {statistics.mean(m['kl']):.4f} | {100 * statistics.mean(m['first']):.1f}% | "
+              f"{100 * statistics.mean(m['tok']):.1f}% |")
     return 0
 
 

@@ -48,6 +48,7 @@ from ..kernels.causal import causal_attention
 from ..kernels.rope import apply_rope
 from ..kernels.scatter import scatter_rows
 from .cudagraph import capture_graph
+from .drift import write_corrected
 from .fusion.base import SelectContext, signature
 from .sources import AssembledSource, PooledSource, PoolRows, pool_rows
 
@@ -459,8 +460,9 @@ class LayoutGraphs:
                 end = inp.scalars[1:2]
                 qa, xa, pos = q.index_select(0, end), x.index_select(0, end), act.index_select(0, end)
             qr = apply_rope(qa, cos[pos], sin[pos])
-            keys = drift.rows(rows) if drift is not None and i >= h.drift else rows
-            x = dec.finish(i, xa, fused_attention(qr, pos, kp, vp, keys, None, cos, sin, spec.scale))
+            if i == h.drift:  # from here on the rows no longer change (a check layer comes before)
+                rows = drift.rows(rows)
+            x = dec.finish(i, xa, fused_attention(qr, pos, kp, vp, rows, None, cos, sin, spec.scale))
             if i == check:
                 rows, dst = self._rows(pool, inp, act, h.nb)
         logits = dec.logits(x)[0].float()
@@ -597,44 +599,27 @@ class LayoutGraphs:
 
 
 class _BucketDrift:
-    """The drift correction (runner._Drift) inside a bucket: the same arithmetic over every slot, no host read.
-
-    In a drift layer every candidate slot's scratch row gets its cached row plus `alpha` x its document's mean
-    (fresh - cached) over the rows computed at that layer; the fresh rows then overwrite their own slots, and the
-    attention reads every candidate slot from its scratch row."""
+    """The drift correction (engine/drift.py) inside a bucket, over every slot: a non-candidate slot writes the trash
+    row; the attention reads every candidate slot from its scratch row."""
 
     def __init__(self, alpha: float, h: _Host, inp: _Inputs, pool) -> None:
         nb = h.nb
         self.alpha, self.db = float(alpha), h.db
         self.base = inp.base[:nb]
-        doc = inp.cand[:nb] - 1  # [N] document of each slot, -1 where it is not a candidate
-        self.is_cand = doc >= 0
-        self.slot_doc = doc.clamp_min(0)
-        self.doc = inp.cand
-        trash = pool.scratch_start + pool.scratch_rows - 1
+        self.doc = inp.cand[:nb] - 1  # [N] document of each slot, -1 where it is not a candidate
         own = pool.scratch_start + torch.arange(nb, device=inp.buf.device)
-        self.dst = torch.where(self.is_cand, own, trash)  # non-candidate slots write the trash row, never read
-        self.own = own
+        trash = pool.scratch_start + pool.scratch_rows - 1
+        self.dst = torch.where(self.doc >= 0, own, trash)
 
     def write(self, kp: Tensor, vp: Tensor, act: Tensor, k: Tensor, v: Tensor) -> None:
-        a_doc = self.doc[act.clamp_min(0)] - 1
-        mine = (act >= 0) & (a_doc >= 0)  # computed rows that are candidate document rows
-        a_doc = a_doc.clamp_min(0)
-        count = torch.zeros(self.db, dtype=torch.float32, device=k.device)
-        count.index_add_(0, a_doc, mine.float())
-        scale = (self.alpha / count.clamp_min(1.0))[:, None, None]
-        a_base = self.base.index_select(0, act.clamp_min(0))
-        for fresh, pool in ((k, kp), (v, vp)):
-            delta = torch.where(mine[:, None, None], fresh.float() - pool.index_select(0, a_base).float(), 0.0)
-            table = torch.zeros((self.db, *fresh.shape[1:]), dtype=torch.float32, device=k.device)
-            table.index_add_(0, a_doc, delta)
-            table *= scale
-            out = pool.index_select(0, self.base).float() + table.index_select(0, self.slot_doc)
-            scatter_rows(pool, self.dst, out.to(pool.dtype))
+        a = act.clamp_min(0)
+        fresh_doc = torch.where(act >= 0, self.doc.index_select(0, a), -1)
+        write_corrected(kp, vp, k, v, self.base.index_select(0, a), fresh_doc, self.base, self.doc, self.dst,
+                        self.db, self.alpha)
 
     def rows(self, rows: Tensor) -> Tensor:
         """The attention's row map in a drift layer: every candidate slot reads its scratch row."""
-        return torch.where(self.is_cand, self.own, rows)
+        return torch.where(self.doc >= 0, self.dst, rows)
 
 
 class _Chained:

@@ -28,6 +28,7 @@ from ..kernels.rope import apply_rope
 from ..kernels.scatter import scatter_rows
 from .bucketed import LayoutGraphs, check_probe_guard, first_token_gap
 from .cudagraph import capture_graph
+from .drift import write_corrected
 from .fusion.base import SelectContext, Strategy, signature
 from .models.base import Decoder
 from .piecewise import DenseGraphs
@@ -342,7 +343,8 @@ class Runner:
         pos_all = kv_pos if probe_keys is None else probe_keys
         plain = not cached and probe_keys is None  # a plain causal prefill: no cache read, nothing to scatter
         sparse = getattr(strategy, "sparse_plan", None) if plain else None
-        drift = _Drift(strategy, ctx, n, spec.n_layers, dev) if cached and not probe_layers and strategy.drift else None
+        drift = _Drift(strategy, ctx, src, must_pos, n, spec.n_layers) \
+            if cached and not probe_layers and must_pos is not None and strategy.drift else None
         per_active = rope_active = None
         for i in range(last_layer + 1):
             if plain:
@@ -388,18 +390,13 @@ class Runner:
                     rows[active if probe_keys is None else torch.searchsorted(probe_keys, active)] = scratch
                 per_active = (scratch, rows)
             scratch, rows = per_active
-            corrected = drift.apply(i, src, kpool, vpool, active, k, v) if drift is not None else None
+            drifting = drift is not None and drift.write(i, src, kpool, vpool, active, k, v)
             scatter_rows(kpool, scratch, k)
             scatter_rows(vpool, scratch, v)
-            if corrected is not None:  # the rows not recomputed now read their corrected copies, and decoding too
-                t_pos, t_k, t_v, t_rows = corrected
-                scatter_rows(kpool, t_rows, t_k)
-                scatter_rows(vpool, t_rows, t_v)
-                if rows is not None:
-                    rows = rows.clone()
-                    rows[t_pos] = t_rows
+            if drifting:  # every candidate reads its corrected (or fresh) row here, and decoding does too
+                rows = drift.rows(rows)
                 if keep:
-                    fresh.append((torch.cat([active, t_pos]), torch.cat([k, t_k]), torch.cat([v, t_v])))
+                    fresh.append(drift.taken(src, kpool, vpool))
             elif keep:
                 fresh.append((active, own(k), own(v)))
             if capture is not None:
@@ -431,51 +428,38 @@ class Runner:
 
 
 class _Drift:
-    """The drift correction of the rows not recomputed (a strategy's `drift` option; make_strategy).
+    """The drift correction in the eager loop (engine/drift.py): every candidate's corrected row goes to its
+    scratch row before the fresh rows go over theirs; from the first drift layer on, the attention reads every
+    candidate there and decoding takes every computed or candidate row as the request's own. Whole-prefill graphs
+    are not used with it (`Runner._graph_key`); shape-bucket graphs do the same (bucketed._BucketDrift)."""
 
-    From layer `start` on, a cached document row drifts from its cached K/V because the full prompt's other
-    documents change its context. The rows recomputed at a layer measure that drift (fresh minus cached K/V); each
-    document row not recomputed gets `alpha` x the mean drift of its own document's recomputed rows added to its
-    cached K and V (pre-RoPE), and a document with none recomputed keeps its cache. The corrected rows are written
-    to the request's scratch rows (position p's own row), never to the shared cache, and go to decoding with the
-    computed ones. Shape-bucket graphs do the same over padded slots (bucketed._BucketDrift); whole-prefill graphs
-    are not used with it.
-    """
-
-    def __init__(self, strategy, ctx: SelectContext, n: int, n_layers: int, device) -> None:
-        self.alpha = float(strategy.drift)
-        self.start = strategy.drift_layer(n_layers)
+    def __init__(self, strategy, ctx: SelectContext, src, must_pos: Tensor, n: int, n_layers: int) -> None:
+        dev = must_pos.device
+        self.alpha, self.start = float(strategy.drift), strategy.drift_layer(n_layers)
         self.n_docs = len(ctx.doc_spans)
-        self.doc_of = torch.full((n,), -1, dtype=torch.long, device=device)
+        self.doc_of = torch.full((n,), -1, dtype=torch.long, device=dev)
         for d, (s, e) in enumerate(ctx.doc_spans):
             self.doc_of[s:e] = d
-        self.candidates = ctx.candidates.to(device)
+        cand = ctx.candidates.to(dev)
+        self.cand, self.slot_base, self.dst = cand, src.base_rows[cand], src.scratch_rows[cand]
+        self.every = torch.sort(torch.cat([must_pos, cand])).values  # computed rows are must rows or candidates
 
-    def apply(self, i: int, src, kpool: Tensor, vpool: Tensor, active: Tensor, k: Tensor, v: Tensor):
-        """(positions, corrected k, corrected v, their scratch rows) of layer i, or None (before `start`). `active`:
-        the rows computed at this layer (k, v theirs; at a check layer, before it shrinks them). Reads the cached
-        rows, so it runs before the fresh rows are scattered."""
+    def write(self, i: int, src, kpool: Tensor, vpool: Tensor, active: Tensor, k: Tensor, v: Tensor) -> bool:
+        """Layer i's corrected rows written (True), or nothing to do (before the first drift layer)."""
         if i < self.start or self.n_docs == 0:
-            return None
-        docs = self.doc_of[active]
-        mine = docs >= 0  # the computed rows that are document rows
-        docs = docs.clamp_min(0)
-        count = torch.zeros(self.n_docs, dtype=torch.float32, device=k.device)
-        count.index_add_(0, docs, mine.float())
-        scale = (self.alpha / count.clamp_min(1.0))[:, None, None]
-        targets = self.candidates[~torch.isin(self.candidates, active)]
-        t_docs = self.doc_of[targets]
-        t_base = src.base_rows[targets]
-        base = src.base_rows[active]
-        out = []
-        for fresh, pool in ((k, kpool), (v, vpool)):
-            # a computed row that is not a document row reads whatever its row holds: masked, never multiplied
-            delta = torch.where(mine[:, None, None], fresh.float() - pool.index_select(0, base).float(), 0.0)
-            drift = torch.zeros((self.n_docs, *fresh.shape[1:]), dtype=torch.float32, device=k.device)
-            drift.index_add_(0, docs, delta)
-            drift *= scale
-            out.append((pool.index_select(0, t_base).float() + drift[t_docs]).to(pool.dtype))
-        return targets, out[0], out[1], src.scratch_rows[targets]
+            return False
+        write_corrected(kpool, vpool, k, v, src.base_rows[active], self.doc_of[active], self.slot_base,
+                        self.doc_of[self.cand], self.dst, self.n_docs, self.alpha)
+        return True
+
+    def rows(self, rows: Tensor | None) -> Tensor | None:
+        """The attention's row map with every candidate at its scratch row (None: position p is row p already)."""
+        return None if rows is None else rows.index_copy(0, self.cand, self.dst)
+
+    def taken(self, src, kpool: Tensor, vpool: Tensor):
+        """(positions, k, v) decoding takes from this layer: every computed or candidate row."""
+        at = src.scratch_rows[self.every]
+        return self.every, kpool.index_select(0, at), vpool.index_select(0, at)
 
 
 class _GraphCache:

@@ -20,6 +20,8 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from ..validate import check_real
+
 __all__ = ["SelectContext", "Strategy", "register", "make_strategy", "available", "budget_for", "topk_positions",
            "signature", "parse_spec"]
 
@@ -225,22 +227,20 @@ def make_strategy(name: str | Strategy, **options) -> Strategy:
     Two options every strategy takes (they act in the runner, not in selection): `drift` (in [0, 1]; 0 = off)
     and `drift_from` (in [0, 1), default 0.25): from layer round(drift_from x layers) on, each document row that is
     not recomputed gets `drift` x its document's mean drift added to its cached K and V, where the drift is the
-    recomputed rows' fresh minus cached K/V at that layer (engine/runner.py `_Drift`). Set on the instance as attributes, so
-    they are part of its signature."""
+    recomputed rows' fresh minus cached K/V at that layer (engine/drift.py). Set on the instance as attributes,
+    so they are part of its signature."""
     if isinstance(name, Strategy):
         return name
     name, spec_options = parse_spec(name)
     if name not in _REGISTRY:
         raise ValueError(f"unknown strategy {name!r}; available: {', '.join(available())}")
     options = {**spec_options, **options}
-    drift = options.pop("drift", 0.0)
-    drift_from = options.pop("drift_from", DRIFT_FROM)
-    for key, value, hi in (("drift", drift, 1.0), ("drift_from", drift_from, 1.0)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= float(value) <= hi \
-                or (key == "drift_from" and float(value) == hi):
-            raise ValueError(f"strategy {name!r}: {key} must be a number in [0, 1{']' if key == 'drift' else ')'}, "
-                             f"got {value!r}")
+    drift = check_real(options.pop("drift", 0.0), f"strategy {name!r}: drift", low=0.0, high=1.0)
+    drift_from = check_real(options.pop("drift_from", DRIFT_FROM), f"strategy {name!r}: drift_from", low=0.0,
+                            high=1.0)
+    if drift_from == 1.0:
+        raise ValueError(f"strategy {name!r}: drift_from must be below 1 (a share of the depth), got 1")
     strategy = _REGISTRY[name](**options)
-    if float(drift) > 0.0:
-        strategy.drift, strategy.drift_from = float(drift), float(drift_from)
+    if drift > 0.0:
+        strategy.drift, strategy.drift_from = drift, drift_from
     return strategy
