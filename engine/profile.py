@@ -233,26 +233,6 @@ class AnchorProfiler:
         return total / len(layers)
 
 
-class KeyRankProfiler(AnchorProfiler):
-    """Computes `extras["keyrank"]` (int32 local indices, every token of the document once): the first `sinks`
-    tokens, then the rest in descending order of the attention they receive inside the document (the anchor
-    profiler's score). `keyrank` recomputes each document's head of this list."""
-
-    name = "keyrank"
-
-    def __init__(self, sinks: int = 4, stride: int = 4) -> None:
-        super().__init__(ratio=0.0, sinks=sinks, stride=stride)
-
-    def __call__(self, cache, ids: list[int], kv: DocKV) -> dict[str, torch.Tensor]:
-        length = kv.length
-        n_sinks = min(self.sinks, length)
-        if n_sinks >= length:
-            return {"keyrank": torch.arange(length, dtype=torch.int32)}
-        scores = self.token_scores(cache, ids, kv)[n_sinks:]
-        order = torch.argsort(scores.float(), descending=True, stable=True) + n_sinks
-        return {"keyrank": torch.cat([torch.arange(n_sinks), order]).to(torch.int32)}
-
-
 def default_doc_profilers() -> dict:
     """The document profilers a DocumentCache starts with: extras name -> callable(cache, ids, kv) -> extras."""
-    return {AnchorProfiler.name: AnchorProfiler(), KeyRankProfiler.name: KeyRankProfiler()}
+    return {AnchorProfiler.name: AnchorProfiler()}

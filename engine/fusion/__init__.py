@@ -1,6 +1,6 @@
 """Strategy registry. Importing this package registers every built-in strategy."""
 # registration side effect of the package:
-from . import cacheblend, coinrag, epic, full, fusionrag, infoflow, keyrank, prophetkv, qcfuse, reuse, sift  # noqa: F401
+from . import cacheblend, coinrag, epic, full, fusionrag, infoflow, prophetkv, qcfuse, reuse, sift  # noqa: F401
 from .base import (SelectContext, Strategy, available, budget_for, make_strategy, probes, register,
                    topk_positions)
 
