@@ -45,10 +45,10 @@ from torch import Tensor
 from ..kernels.attention import fused_attention
 from ..kernels.attn_scores import attention_and_scores, attention_scores
 from ..kernels.causal import causal_attention
+from ..kernels.drift import drift_correct
 from ..kernels.rope import apply_rope
 from ..kernels.scatter import scatter_rows
 from .cudagraph import capture_graph
-from .drift import write_corrected
 from .fusion.base import SelectContext, signature
 from .sources import AssembledSource, PooledSource, PoolRows, pool_rows
 
@@ -599,8 +599,9 @@ class LayoutGraphs:
 
 
 class _BucketDrift:
-    """The drift correction (engine/drift.py) inside a bucket, over every slot: a non-candidate slot writes the trash
-    row; the attention reads every candidate slot from its scratch row."""
+    """The drift correction (kernels/drift.py) inside a bucket, over every slot: a non-candidate slot's destination is
+    the trash row (the torch path writes it there, the Triton path skips it); the attention reads every candidate slot
+    from its scratch row."""
 
     def __init__(self, alpha: float, h: _Host, inp: _Inputs, pool) -> None:
         nb = h.nb
@@ -614,8 +615,8 @@ class _BucketDrift:
     def write(self, kp: Tensor, vp: Tensor, act: Tensor, k: Tensor, v: Tensor) -> None:
         a = act.clamp_min(0)
         fresh_doc = torch.where(act >= 0, self.doc.index_select(0, a), -1)
-        write_corrected(kp, vp, k, v, self.base.index_select(0, a), fresh_doc, self.base, self.doc, self.dst,
-                        self.db, self.alpha)
+        drift_correct(kp, vp, k, v, self.base.index_select(0, a), fresh_doc, self.base, self.doc, self.dst,
+                      self.db, self.alpha)
 
     def rows(self, rows: Tensor) -> Tensor:
         """The attention's row map in a drift layer: every candidate slot reads its scratch row."""

@@ -24,11 +24,11 @@ from torch import Tensor
 from ..kernels.attention import fused_attention
 from ..kernels.block_sparse import block_sparse_attention
 from ..kernels.causal import causal_attention
+from ..kernels.drift import drift_correct
 from ..kernels.rope import apply_rope
 from ..kernels.scatter import scatter_rows
 from .bucketed import LayoutGraphs, check_probe_guard, first_token_gap
 from .cudagraph import capture_graph
-from .drift import write_corrected
 from .fusion.base import SelectContext, Strategy, signature
 from .models.base import Decoder
 from .piecewise import DenseGraphs
@@ -428,7 +428,7 @@ class Runner:
 
 
 class _Drift:
-    """The drift correction in the eager loop (engine/drift.py): every candidate's corrected row goes to its
+    """The drift correction in the eager loop (kernels/drift.py): every candidate's corrected row goes to its
     scratch row before the fresh rows go over theirs; from the first drift layer on, the attention reads every
     candidate there and decoding takes every computed or candidate row as the request's own. Whole-prefill graphs
     are not used with it (`Runner._graph_key`); shape-bucket graphs do the same (bucketed._BucketDrift)."""
@@ -448,7 +448,7 @@ class _Drift:
         """Layer i's corrected rows written (True), or nothing to do (before the first drift layer)."""
         if i < self.start or self.n_docs == 0:
             return False
-        write_corrected(kpool, vpool, k, v, src.base_rows[active], self.doc_of[active], self.slot_base,
+        drift_correct(kpool, vpool, k, v, src.base_rows[active], self.doc_of[active], self.slot_base,
                         self.doc_of[self.cand], self.dst, self.n_docs, self.alpha)
         return True
 

@@ -227,7 +227,7 @@ def make_strategy(name: str | Strategy, **options) -> Strategy:
     Two options every strategy takes (they act in the runner, not in selection): `drift` (in [0, 1]; 0 = off)
     and `drift_from` (in [0, 1), default 0.25): from layer round(drift_from x layers) on, each document row that is
     not recomputed gets `drift` x its document's mean drift added to its cached K and V, where the drift is the
-    recomputed rows' fresh minus cached K/V at that layer (engine/drift.py). Set on the instance as attributes,
+    recomputed rows' fresh minus cached K/V at that layer (kernels/drift.py). Set on the instance as attributes,
     so they are part of its signature."""
     if isinstance(name, Strategy):
         return name

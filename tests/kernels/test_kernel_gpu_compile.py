@@ -16,7 +16,7 @@ os.environ.pop("TRITON_INTERPRET", None)
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kvfuse.kernels._triton import attention, attn_scores, deviation, rope, scatter
+from kvfuse.kernels._triton import attention, attn_scores, deviation, drift, rope, scatter
 
 def build(fn, pointers, constexprs, floats=(), warps=4, stages=2):
     signature = {}
@@ -76,6 +76,10 @@ build(rope._rope_kernel, dict(X="*fp16", ROWS=i64, POS=i64, COS=f32, SIN=f32, OU
       dict(HALF=12, HALF_PAD=16, BLOCK_T=32, GATHER=True, EMULATE_RNE=False))
 build(scatter._scatter_kernel, dict(DST=bf, ROWS=i64, SRC=bf), dict(BLOCK_H=8, BLOCK_D=128))
 build(deviation._deviation_kernel, dict(A=bf, B=bf, OUT=f32), dict(BLOCK_M=4, BLOCK_F=1024))
+build(drift._accumulate, dict(K=bf, V=bf, KP=bf, VP=bf, BASE=i64, DOC=i64, TABLE=f32, COUNT=f32),
+      dict(BLOCK_H=8, BLOCK_D=128))
+build(drift._write, dict(KP=bf, VP=bf, BASE=i64, DOC=i64, DST=i64, TABLE=f32, COUNT=f32), dict(BLOCK_H=8, BLOCK_D=128),
+      ("alpha",))
 print("ok")
 """
 
