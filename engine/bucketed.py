@@ -59,6 +59,7 @@ CHECK_ROW_STEPS = 4     # ... of one with a check layer (cacheblend: every row i
 M_MIN, M_STEPS = 32, 2  # always-computed rows: at least 32, then 2 sizes per octave
 K_STEPS = 4             # recomputed document rows: 4 sizes per octave
 V_STEPS = 4             # a compressed probe view's keys: 4 sizes per octave
+DRIFT_TABLE_ROWS = 512  # documents of the drift correction's table in a bucket (more: the next power of two)
 
 log = logging.getLogger("kvfuse.runner")
 
@@ -277,7 +278,8 @@ class LayoutGraphs:
         drift = strategy.drift_layer(spec.n_layers) if kind != "plain" else None
         if drift is not None and kind == "check" and drift <= strategy.check_layers(spec.n_layers)[0]:
             return None  # a drift layer at or before the check layer: the eager loop handles it
-        db = 0 if drift is None else max(8, 1 << (len(plan.doc_spans) - 1).bit_length())
+        # the drift table's rows: a bound, not the count, so the document count does not split buckets
+        db = 0 if drift is None else max(DRIFT_TABLE_ROWS, 1 << (len(plan.doc_spans) - 1).bit_length())
         if pool is not None and n >= pool.scratch_rows:  # slot p holds position p; the last one is the trash row
             return None
         must = plan.must_pos

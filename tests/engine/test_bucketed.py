@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvfuse.engine.bucketed import bucket_size
+from kvfuse.engine.bucketed import DRIFT_TABLE_ROWS, bucket_size
 from kvfuse.engine.fusion import make_strategy
 from kvfuse.engine.types import as_documents
 
@@ -97,6 +97,25 @@ def test_layouts_of_one_bucket_share_a_key(engines):
         assert h is not None and h.nb >= layout.n
         keys.add(h.key)
     assert len(keys) == 1
+
+
+def test_document_count_does_not_split_drift_buckets(engines):
+    """A drift request's per-document table is sized by a bound, not the count: 3 documents and the same text cut
+    into 12 (past the old rule's 8-row table) share one key when their row buckets agree."""
+    eng = engines[True]
+    words = " ".join(text for _, text in DOCS).split()
+    cuts = [len(words) * i // 12 for i in range(13)]
+    many = [(f"piece{i}", " ".join(words[cuts[i]:cuts[i + 1]])) for i in range(12)]
+    hs = []
+    for docs in (DOCS, many):
+        strat = make_strategy("infoflow:drift=0.5")
+        layout, segs, _ = eng._prepare(QUESTION, as_documents(docs), strat)
+        h = eng.runner.layout.plan(eng.runner.plan(layout.n, segs, strat), layout.ids, strat, 0.3)
+        assert h is not None
+        hs.append(h)
+    assert hs[0].db == hs[1].db == DRIFT_TABLE_ROWS
+    assert (hs[0].nb, hs[0].mb, hs[0].kb) == (hs[1].nb, hs[1].mb, hs[1].kb)
+    assert hs[0].key == hs[1].key
 
 
 def test_question_length_does_not_pick_a_new_graph(engines):
