@@ -13,6 +13,12 @@ import triton.language as tl
 
 
 @triton.jit
+def _at(row, hh, offs_d, s_r, s_h, s_d):
+    """Offsets of a [BLOCK_H, BLOCK_D] tile of row `row` of a [rows, H, D] tensor with the given strides."""
+    return row * s_r + hh[:, None] * s_h + offs_d[None, :] * s_d
+
+
+@triton.jit
 def _accumulate(K, V, KP, VP, BASE, DOC, TABLE, COUNT, H, D, n_docs,
                 s_kr, s_kh, s_kd, s_vr, s_vh, s_vd, s_pr, s_ph, s_pd, s_qr, s_qh, s_qd,
                 BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -22,17 +28,16 @@ def _accumulate(K, V, KP, VP, BASE, DOC, TABLE, COUNT, H, D, n_docs,
         row = tl.load(BASE + i).to(tl.int64)
         offs_h = tl.arange(0, BLOCK_H)
         offs_d = tl.arange(0, BLOCK_D)
-        hd = H * D
         for h0 in range(0, H, BLOCK_H):
             hh = h0 + offs_h
             mask = (hh < H)[:, None] & (offs_d < D)[None, :]
-            at = hh[:, None] * D + offs_d[None, :]
-            fk = tl.load(K + i * s_kr + hh[:, None] * s_kh + offs_d[None, :] * s_kd, mask=mask).to(tl.float32)
-            ck = tl.load(KP + row * s_pr + hh[:, None] * s_ph + offs_d[None, :] * s_pd, mask=mask).to(tl.float32)
-            tl.atomic_add(TABLE + d * hd + at, fk - ck, mask=mask)
-            fv = tl.load(V + i * s_vr + hh[:, None] * s_vh + offs_d[None, :] * s_vd, mask=mask).to(tl.float32)
-            cv = tl.load(VP + row * s_qr + hh[:, None] * s_qh + offs_d[None, :] * s_qd, mask=mask).to(tl.float32)
-            tl.atomic_add(TABLE + (n_docs + d) * hd + at, fv - cv, mask=mask)
+            tk = _at(d, hh, offs_d, H * D, D, 1)  # the document's K row of the table; its V row n_docs rows on
+            fk = tl.load(K + _at(i, hh, offs_d, s_kr, s_kh, s_kd), mask=mask).to(tl.float32)
+            ck = tl.load(KP + _at(row, hh, offs_d, s_pr, s_ph, s_pd), mask=mask).to(tl.float32)
+            tl.atomic_add(TABLE + tk, fk - ck, mask=mask)
+            fv = tl.load(V + _at(i, hh, offs_d, s_vr, s_vh, s_vd), mask=mask).to(tl.float32)
+            cv = tl.load(VP + _at(row, hh, offs_d, s_qr, s_qh, s_qd), mask=mask).to(tl.float32)
+            tl.atomic_add(TABLE + n_docs * H * D + tk, fv - cv, mask=mask)
         tl.atomic_add(COUNT + d, 1.0)
 
 
@@ -48,19 +53,16 @@ def _write(KP, VP, BASE, DOC, DST, TABLE, COUNT, H, D, n_docs, alpha,
         scale = alpha / tl.maximum(tl.load(COUNT + d), 1.0)
         offs_h = tl.arange(0, BLOCK_H)
         offs_d = tl.arange(0, BLOCK_D)
-        hd = H * D
         for h0 in range(0, H, BLOCK_H):
             hh = h0 + offs_h
             mask = (hh < H)[:, None] & (offs_d < D)[None, :]
-            at = hh[:, None] * D + offs_d[None, :]
-            ck = tl.load(KP + src * s_pr + hh[:, None] * s_ph + offs_d[None, :] * s_pd, mask=mask).to(tl.float32)
-            tk = tl.load(TABLE + d * hd + at, mask=mask)
-            tl.store(KP + dst * s_pr + hh[:, None] * s_ph + offs_d[None, :] * s_pd,
-                     (ck + tk * scale).to(KP.dtype.element_ty), mask=mask)
-            cv = tl.load(VP + src * s_qr + hh[:, None] * s_qh + offs_d[None, :] * s_qd, mask=mask).to(tl.float32)
-            tv = tl.load(TABLE + (n_docs + d) * hd + at, mask=mask)
-            tl.store(VP + dst * s_qr + hh[:, None] * s_qh + offs_d[None, :] * s_qd,
-                     (cv + tv * scale).to(VP.dtype.element_ty), mask=mask)
+            tk = _at(d, hh, offs_d, H * D, D, 1)
+            ck = tl.load(KP + _at(src, hh, offs_d, s_pr, s_ph, s_pd), mask=mask).to(tl.float32)
+            dk = tl.load(TABLE + tk, mask=mask)
+            tl.store(KP + _at(dst, hh, offs_d, s_pr, s_ph, s_pd), (ck + dk * scale).to(KP.dtype.element_ty), mask=mask)
+            cv = tl.load(VP + _at(src, hh, offs_d, s_qr, s_qh, s_qd), mask=mask).to(tl.float32)
+            dv = tl.load(TABLE + n_docs * H * D + tk, mask=mask)
+            tl.store(VP + _at(dst, hh, offs_d, s_qr, s_qh, s_qd), (cv + dv * scale).to(VP.dtype.element_ty), mask=mask)
 
 
 def launch(kpool: torch.Tensor, vpool: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fresh_base: torch.Tensor,
