@@ -10,7 +10,37 @@ import bisect
 
 import torch
 
-__all__ = ["KVPool"]
+__all__ = ["KVPool", "RESERVE_SHARE", "check_fits"]
+
+RESERVE_SHARE = 0.05  # of a GPU's memory left free beside a new pool, for the prefills' activations
+
+
+def _device_memory(device) -> tuple[int, int] | None:
+    """(free, total) bytes of a CUDA device; None for any other device (no check there)."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    return int(free), int(total)
+
+
+def check_fits(rows: int, row_bytes: int, device) -> None:
+    """Raises torch.OutOfMemoryError, before anything is allocated, when `rows` KV rows of `row_bytes` (K and V over
+    every layer) would leave less than RESERVE_SHARE of the device's memory free: a clear message naming what to
+    lower, instead of a failed allocation now or at the first long prefill."""
+    mem = _device_memory(device)
+    if mem is None:
+        return
+    free, total = mem
+    need, room = rows * row_bytes, free - int(RESERVE_SHARE * total)
+    if need > room:
+        gib = 2 ** 30
+        raise torch.OutOfMemoryError(
+            f"the KV pool needs {rows} rows x {row_bytes / 2 ** 20:.3f} MiB = {need / gib:.2f} GiB on {device}, but "
+            f"{free / gib:.2f} GiB are free there and {RESERVE_SHARE:.0%} of its {total / gib:.1f} GiB stay free for "
+            f"prefills: about {max(0, room) // row_bytes} rows fit. Lower EngineConfig.memory_budget_bytes (cached "
+            f"documents), decode_tokens (running requests' rows; default twice the context window, at most 65536) or "
+            f"scratch_tokens (one prefill's rows; default the context window, at most 32768)")
 
 
 class KVPool:
@@ -28,6 +58,8 @@ class KVPool:
         if doc_rows <= 0 or scratch_rows <= 0:
             raise ValueError("a KV pool needs doc_rows > 0 and scratch_rows > 0")
         shape = (n_layers, doc_rows + scratch_rows, n_kv_heads, head_dim)
+        item = torch.empty((), dtype=dtype).element_size()
+        check_fits(doc_rows + scratch_rows, 2 * n_layers * n_kv_heads * head_dim * item, device)
         self.k = torch.empty(shape, dtype=dtype, device=device)
         self.v = torch.empty(shape, dtype=dtype, device=device)
         self.doc_rows = doc_rows

@@ -21,6 +21,33 @@ def test_pool_allocator_first_fit_and_merge():
     assert pool.scratch_start == 10
 
 
+def test_a_pool_that_would_not_fit_is_refused_before_allocating(monkeypatch):
+    """On a GPU the pool's rows are checked against the free memory first (RESERVE_SHARE of the device kept for
+    prefills): a clear OutOfMemoryError naming the knobs, not a failed allocation."""
+    from kvfuse.engine.store import pool as pool_mod
+
+    row = 2 * 2 * 1 * 4 * 4  # K and V, 2 layers, 1 head, head_dim 4, fp32
+    monkeypatch.setattr(pool_mod, "_device_memory", lambda device: (1000 * row, 2000 * row))  # free, total
+    pool_mod.check_fits(899, row, "cpu")  # 1000 free less 5% of 2000 = 900 rows of room
+    pool_mod.check_fits(900, row, "cpu")
+    with pytest.raises(torch.OutOfMemoryError, match="901 rows") as err:
+        pool_mod.check_fits(901, row, "cpu")
+    assert "about 900 rows fit" in str(err.value) and "memory_budget_bytes" in str(err.value)
+    allocated = []
+    monkeypatch.setattr(pool_mod.torch, "empty", lambda *a, **k: allocated.append(a) or torch.zeros(()))
+    with pytest.raises(torch.OutOfMemoryError, match="decode_tokens"):
+        KVPool(2, 1, 4, doc_rows=800, scratch_rows=200, dtype=torch.float32, device="cpu")
+    assert len(allocated) == 1  # only the dtype probe: neither pool tensor was asked for
+
+
+def test_an_engine_too_large_for_its_gpu_fails_clearly_at_construction(tiny_engine, monkeypatch):
+    from kvfuse.engine.store import pool as pool_mod
+
+    monkeypatch.setattr(pool_mod, "_device_memory", lambda device: (1 << 20, 1 << 30))  # 1 MiB free
+    with pytest.raises(torch.OutOfMemoryError, match="memory_budget_bytes"):
+        tiny_engine("llama3", kv_tier="pool", memory_budget_bytes=64 << 20, scratch_tokens=512)
+
+
 @pytest.mark.parametrize("family", ["llama3", "qwen3"])
 @pytest.mark.parametrize("strategy,ratio", [("reuse", 0.0), ("cacheblend", 0.3), ("epic", 0.2)])
 def test_pooled_tier_equals_host_tier(family, strategy, ratio, tiny_engine, monkeypatch):
