@@ -35,7 +35,7 @@ from .prompt import PromptBuilder
 from .registry import DocumentIndex
 from .runner import Runner, Segment
 from .store import CorruptEntry, DocKV, DocStore, Namespace, content_key
-from .store.pool import KVPool
+from .store.pool import KVPool, fit_rows
 from .decode import decode_rows
 from .types import Document
 
@@ -207,10 +207,13 @@ class DocumentCache:
         if tier == "pool":
             row_bytes = 2 * spec.n_layers * spec.n_kv_heads * spec.head_dim * self.decoder.embed.element_size()
             scratch = cfg.scratch_tokens or min(self.context_window, 32768)
-            # documents (up to the memory budget) and the running requests' decode rows share one pool
-            pool = KVPool(spec.n_layers, spec.n_kv_heads, spec.head_dim,
-                          max(1, cfg.memory_budget_bytes // row_bytes) + decode_rows(cfg, self.context_window),
-                          scratch, self.dtype, self.device)
+            # documents (up to the memory budget) and the running requests' decode rows share one pool, sized to
+            # what the device has free (the automatic decode rows first, then the documents' budget, with a warning)
+            docs, decode = fit_rows(max(1, cfg.memory_budget_bytes // row_bytes), decode_rows(cfg, self.context_window),
+                                    scratch, row_bytes, self.device, min_rows=min(self.context_window, 32768),
+                                    shrink_decode=not cfg.decode_tokens)
+            pool = KVPool(spec.n_layers, spec.n_kv_heads, spec.head_dim, docs + decode, scratch, self.dtype,
+                          self.device)
         remote = None
         if cfg.redis_url is not None:
             from .store.redis_tier import RedisTier

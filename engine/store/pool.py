@@ -7,10 +7,13 @@ reserved scratch region at the end of the pool, which the document allocator nev
 from __future__ import annotations
 
 import bisect
+import logging
 
 import torch
 
-__all__ = ["KVPool", "RESERVE_SHARE", "check_fits"]
+__all__ = ["KVPool", "RESERVE_SHARE", "check_fits", "fit_rows"]
+
+log = logging.getLogger("kvfuse.engine")
 
 RESERVE_SHARE = 0.05  # of a GPU's memory left free beside a new pool, for the prefills' activations
 
@@ -41,6 +44,34 @@ def check_fits(rows: int, row_bytes: int, device) -> None:
             f"prefills: about {max(0, room) // row_bytes} rows fit. Lower EngineConfig.memory_budget_bytes (cached "
             f"documents), decode_tokens (running requests' rows; default twice the context window, at most 65536) or "
             f"scratch_tokens (one prefill's rows; default the context window, at most 32768)")
+
+
+def fit_rows(doc_rows: int, decode_rows: int, scratch_rows: int, row_bytes: int, device, *, min_rows: int,
+             shrink_decode: bool) -> tuple[int, int]:
+    """(document rows, decode rows) for a pool on `device`: as asked when they fit beside `scratch_rows` in its free
+    memory (RESERVE_SHARE of the card kept free), else shrunk with a warning: first the decode rows, when they are
+    the engine's automatic default (`shrink_decode`), down to `min_rows` (one longest request); then the documents'
+    rows, down to `min_rows`. What still does not fit is left to `check_fits` (a clear error when the pool is made).
+    Not a GPU, or no free-memory reading: unchanged."""
+    mem = _device_memory(device)
+    if mem is None:
+        return doc_rows, decode_rows
+    free, total = mem
+    room = (free - int(RESERVE_SHARE * total)) // row_bytes
+    if doc_rows + decode_rows + scratch_rows <= room:
+        return doc_rows, decode_rows
+    docs, decode = doc_rows, decode_rows
+    if shrink_decode:
+        decode = min(decode, max(min_rows, room - docs - scratch_rows))
+    if docs + decode + scratch_rows > room:
+        docs = min(docs, max(min_rows, room - decode - scratch_rows))
+    gib = row_bytes / 2 ** 30
+    log.warning("the KV pool asked for (%d document rows, %d decode rows, %d scratch rows: %.2f GiB) does not fit the "
+                "%.2f GiB free on %s with %.0f%% of it kept for prefills; using %d document rows (%.2f GiB) and %d "
+                "decode rows (%.2f GiB). Set EngineConfig.memory_budget_bytes and decode_tokens to choose.",
+                doc_rows, decode_rows, scratch_rows, (doc_rows + decode_rows + scratch_rows) * gib, free / 2 ** 30,
+                device, 100 * RESERVE_SHARE, docs, docs * gib, decode, decode * gib)
+    return docs, decode
 
 
 class KVPool:

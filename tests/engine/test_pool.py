@@ -48,6 +48,43 @@ def test_an_engine_too_large_for_its_gpu_fails_clearly_at_construction(tiny_engi
         tiny_engine("llama3", kv_tier="pool", memory_budget_bytes=64 << 20, scratch_tokens=512)
 
 
+def test_fit_rows_shrinks_the_automatic_decode_rows_then_the_documents(monkeypatch, caplog):
+    from kvfuse.engine.store import pool as pool_mod
+
+    row = 64
+    monkeypatch.setattr(pool_mod, "_device_memory", lambda device: (1000 * row + 100 * row, 2000 * row))  # room 1000
+    fit = pool_mod.fit_rows
+    assert fit(300, 400, 200, row, "cpu", min_rows=100, shrink_decode=True) == (300, 400)  # 900 fits
+    with caplog.at_level("WARNING", logger="kvfuse.engine"):
+        assert fit(300, 800, 200, row, "cpu", min_rows=100, shrink_decode=True) == (300, 500)  # decode first
+    assert "decode rows" in caplog.text and "memory_budget_bytes" in caplog.text
+    assert fit(900, 800, 200, row, "cpu", min_rows=100, shrink_decode=True) == (700, 100)  # then the documents
+    assert fit(300, 800, 200, row, "cpu", min_rows=100, shrink_decode=False) == (100, 800)  # decode_tokens was set
+    assert fit(300, 800, 950, row, "cpu", min_rows=100, shrink_decode=True) == (100, 100)  # left to check_fits
+    monkeypatch.setattr(pool_mod, "_device_memory", lambda device: None)  # not a GPU: as asked
+    assert fit(300, 800, 950, row, "cpu", min_rows=100, shrink_decode=True) == (300, 800)
+
+
+def test_an_engine_is_sized_to_the_gpu_it_finds(tiny_engine, monkeypatch):
+    """The default decode rows that would not fit a (faked) small GPU are shrunk to one context window, and the
+    engine then serves what an unshrunk engine serves."""
+    from kvfuse.engine.store import pool as pool_mod
+
+    plain = tiny_engine("llama3", kv_tier="pool", memory_budget_bytes=1 << 20, scratch_tokens=512)
+    p = plain.decoding.arena.pool
+    window = min(plain.context_window, 32768)
+    room = p.doc_rows + p.scratch_rows - window // 2  # the default decode rows (two windows) do not fit
+    free = -(-room * p.row_bytes * 100 // 95)
+    monkeypatch.setattr(pool_mod, "_device_memory", lambda device: (free, free))
+    small = tiny_engine("llama3", kv_tier="pool", memory_budget_bytes=1 << 20, scratch_tokens=512)
+    q = small.decoding.arena.pool
+    assert q.doc_rows + q.scratch_rows <= room and q.doc_rows < p.doc_rows
+    assert q.doc_rows >= window  # one longest request still fits
+    a = plain.generate(QUESTION, DOCS, strategy="infoflow", recompute_ratio=0.3, max_new_tokens=6)
+    b = small.generate(QUESTION, DOCS, strategy="infoflow", recompute_ratio=0.3, max_new_tokens=6)
+    assert a.token_ids == b.token_ids
+
+
 @pytest.mark.parametrize("family", ["llama3", "qwen3"])
 @pytest.mark.parametrize("strategy,ratio", [("reuse", 0.0), ("cacheblend", 0.3), ("epic", 0.2)])
 def test_pooled_tier_equals_host_tier(family, strategy, ratio, tiny_engine, monkeypatch):
