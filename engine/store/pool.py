@@ -19,12 +19,14 @@ RESERVE_SHARE = 0.05  # of a GPU's memory left free beside a new pool, for the p
 
 
 def _device_memory(device) -> tuple[int, int] | None:
-    """(free, total) bytes of a CUDA device; None for any other device (no check there)."""
+    """(free, total) bytes of a CUDA device, counting what this process's caching allocator holds unused as free;
+    None for any other device (no check there)."""
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         return None
     free, total = torch.cuda.mem_get_info(device)
-    return int(free), int(total)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return int(free) + max(0, int(cached)), int(total)
 
 
 def check_fits(rows: int, row_bytes: int, device) -> None:
