@@ -613,12 +613,14 @@ class _BucketDrift:
         own = pool.scratch_start + torch.arange(nb, device=inp.buf.device)
         trash = pool.scratch_start + pool.scratch_rows - 1
         self.dst = torch.where(self.doc >= 0, own, trash)
+        self._fresh = None  # (act, its cached rows, its documents): the same in every drift layer after the check
 
     def write(self, kp: Tensor, vp: Tensor, act: Tensor, k: Tensor, v: Tensor) -> None:
-        a = act.clamp_min(0)
-        fresh_doc = torch.where(act >= 0, self.doc.index_select(0, a), -1)
-        drift_correct(kp, vp, k, v, self.base.index_select(0, a), fresh_doc, self.base, self.doc, self.dst,
-                      self.db, self.alpha)
+        if self._fresh is None or self._fresh[0] is not act:
+            a = act.clamp_min(0)
+            self._fresh = (act, self.base.index_select(0, a), torch.where(act >= 0, self.doc.index_select(0, a), -1))
+        _, fresh_base, fresh_doc = self._fresh
+        drift_correct(kp, vp, k, v, fresh_base, fresh_doc, self.base, self.doc, self.dst, self.db, self.alpha)
 
     def rows(self, rows: Tensor) -> Tensor:
         """The attention's row map in a drift layer: every candidate slot reads its scratch row."""

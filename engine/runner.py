@@ -442,19 +442,29 @@ class _Drift:
             self.doc_of[s:e] = d
         cand = ctx.candidates.to(dev)
         self.cand, self.slot_base, self.dst = cand, src.base_rows[cand], src.scratch_rows[cand]
+        self.slot_doc = self.doc_of[cand]
         self.every = torch.sort(torch.cat([must_pos, cand])).values  # computed rows are must rows or candidates
+        self._active = self._rows_in = None  # the last layer's inputs and what was derived from them (reused while
+        #   the active rows, and the row map, stay the same: every layer after a check layer)
 
     def write(self, i: int, src, kpool: Tensor, vpool: Tensor, active: Tensor, k: Tensor, v: Tensor) -> bool:
         """Layer i's corrected rows written (True), or nothing to do (before the first drift layer)."""
         if i < self.start or self.n_docs == 0:
             return False
-        drift_correct(kpool, vpool, k, v, src.base_rows[active], self.doc_of[active], self.slot_base,
-                        self.doc_of[self.cand], self.dst, self.n_docs, self.alpha)
+        if self._active is None or self._active[0] is not active:
+            self._active = (active, src.base_rows[active], self.doc_of[active])
+        _, fresh_base, fresh_doc = self._active
+        drift_correct(kpool, vpool, k, v, fresh_base, fresh_doc, self.slot_base, self.slot_doc, self.dst, self.n_docs,
+                      self.alpha)
         return True
 
     def rows(self, rows: Tensor | None) -> Tensor | None:
         """The attention's row map with every candidate at its scratch row (None: position p is row p already)."""
-        return None if rows is None else rows.index_copy(0, self.cand, self.dst)
+        if rows is None:
+            return None
+        if self._rows_in is None or self._rows_in[0] is not rows:
+            self._rows_in = (rows, rows.index_copy(0, self.cand, self.dst))
+        return self._rows_in[1]
 
     def taken(self, src, kpool: Tensor, vpool: Tensor):
         """(positions, k, v) decoding takes from this layer: every computed or candidate row."""
