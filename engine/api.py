@@ -26,7 +26,7 @@ from .models import build_decoder
 from .options import GenerationOptions
 from .profile import load_profile
 from .prompt import PromptBuilder, PromptLayout, Span
-from .decode import Arena, Decoding, decode_rows
+from .decode import Arena, Decoding, sized_rows
 from .runner import Runner, Segment
 from .scheduler import Request, Scheduler
 from .sampler import Sampler
@@ -34,7 +34,7 @@ from .sift import IndexStore, compute_index, sparse_plan
 from .tracing import set_attributes, span
 from .store import DocKV, Namespace, fingerprint_tensors
 from .store.keys import content_key
-from .store.pool import KVPool, fit_rows
+from .store.pool import KVPool
 from .types import AsyncGenerationStream, Document, GenerationResult, GenerationStream, PrecomputeReport, as_documents
 from .validate import check_int, check_real, check_strategy, check_text, check_token_ids
 
@@ -714,9 +714,8 @@ class FusionEngine:
         if pool is not None:
             return Arena(pool, self.store.memory._evict_lru)
         spec = self.decoder.spec
-        row_bytes = 2 * spec.n_layers * spec.n_kv_heads * spec.head_dim * self.decoder.embed.element_size()
-        _, rows = fit_rows(0, decode_rows(self.config, self.context_window), 1, row_bytes, self.device,
-                           min_rows=min(self.context_window, 32768), shrink_decode=not self.config.decode_tokens)
+        _, rows = sized_rows(self.config, self.context_window, 0, 1,
+                             spec.kv_bytes_per_token * self.decoder.embed.element_size(), self.device)
         return Arena(KVPool(spec.n_layers, spec.n_kv_heads, spec.head_dim, rows, 1, self.dtype, self.device))
 
     def _encode_documents(self, docs: list[Document]) -> list[list[int]]:

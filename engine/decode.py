@@ -21,18 +21,31 @@ from ..kernels.decode_attention import decode_attention
 from ..kernels.rope import apply_rope
 from .cudagraph import capture_graph
 from .sources import PooledSource, PoolRows
-from .store.pool import KVPool
+from .store.pool import KVPool, fit_rows
 
-__all__ = ["Arena", "Sequence", "Decoding", "BATCH_BUCKETS", "decode_rows"]
+__all__ = ["Arena", "Sequence", "Decoding", "BATCH_BUCKETS", "decode_rows", "request_rows", "sized_rows"]
 
 _UIDS = itertools.count()
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
+def request_rows(context_window: int) -> int:
+    """Rows of the longest request a pool serves: the context window, capped at 32768 (the default scratch rows)."""
+    return min(context_window, 32768)
+
+
 def decode_rows(config, context_window: int) -> int:
     """Rows kept for running requests' prompts and answers: `config.decode_tokens`, by default two of the longest
     (twice the context window, capped at 2 x 32768)."""
-    return config.decode_tokens or 2 * min(context_window, 32768)
+    return config.decode_tokens or 2 * request_rows(context_window)
+
+
+def sized_rows(config, context_window: int, doc_rows: int, scratch_rows: int, row_bytes: int,
+               device) -> tuple[int, int]:
+    """(document rows, decode rows) of a pool on `device`, fitted to its free memory (`store.pool.fit_rows`: the
+    automatic decode rows shrink first, then the documents', each to one longest request)."""
+    return fit_rows(doc_rows, decode_rows(config, context_window), scratch_rows, row_bytes, device,
+                    min_rows=request_rows(context_window), shrink_decode=not config.decode_tokens)
 
 
 class Arena:

@@ -35,8 +35,8 @@ from .prompt import PromptBuilder
 from .registry import DocumentIndex
 from .runner import Runner, Segment
 from .store import CorruptEntry, DocKV, DocStore, Namespace, content_key
-from .store.pool import KVPool, fit_rows
-from .decode import decode_rows
+from .store.pool import KVPool
+from .decode import request_rows, sized_rows
 from .types import Document
 
 __all__ = ["DocumentCache", "Piece"]
@@ -205,13 +205,12 @@ class DocumentCache:
         tier = cfg.kv_tier if cfg.kv_tier != "auto" else ("pool" if self.device.type == "cuda" else "host")
         pool = None
         if tier == "pool":
-            row_bytes = 2 * spec.n_layers * spec.n_kv_heads * spec.head_dim * self.decoder.embed.element_size()
-            scratch = cfg.scratch_tokens or min(self.context_window, 32768)
+            row_bytes = spec.kv_bytes_per_token * self.decoder.embed.element_size()
+            scratch = cfg.scratch_tokens or request_rows(self.context_window)
             # documents (up to the memory budget) and the running requests' decode rows share one pool, sized to
-            # what the device has free (the automatic decode rows first, then the documents' budget, with a warning)
-            docs, decode = fit_rows(max(1, cfg.memory_budget_bytes // row_bytes), decode_rows(cfg, self.context_window),
-                                    scratch, row_bytes, self.device, min_rows=min(self.context_window, 32768),
-                                    shrink_decode=not cfg.decode_tokens)
+            # what the device has free
+            docs, decode = sized_rows(cfg, self.context_window, max(1, cfg.memory_budget_bytes // row_bytes), scratch,
+                                      row_bytes, self.device)
             pool = KVPool(spec.n_layers, spec.n_kv_heads, spec.head_dim, docs + decode, scratch, self.dtype,
                           self.device)
         remote = None
