@@ -1,7 +1,8 @@
 """GPU memory an engine holds over first-sight requests, and what closing it gives back.
 
 For each context length: one HF forward (as the TTFT benchmark runs beside kvfuse), then an engine made as
-`benchmarks/ttft.py` makes it (document pool of n + 1024 rows, scratch n + 64), a few first-sight requests per
+`benchmarks/ttft.py` makes it (document pool of n + 1024 rows, scratch n + 64) but with the engine's default decode
+rows, a few first-sight requests per
 strategy (new random layouts, documents precomputed first), then `close()`. After every step: memory allocated,
 reserved and the peak, and the bucket graphs held (count, static-output bytes, replays/captures/eager runs).
 
@@ -50,7 +51,8 @@ def main() -> None:
             model(ids, logits_to_keep=1, use_cache=False)
         del ids
         report(f"n={n} after HF")
-        engine = make_engine(model, "pool", pool_tokens=n + 1024, scratch=n + 64)
+        # decode_tokens 0: the engine's own default decode rows (ttft.make_engine keeps one request's only)
+        engine = make_engine(model, "pool", pool_tokens=n + 1024, scratch=n + 64, decode_tokens=0)
         report(f"n={n} engine made", engine)
         for name in args.strategies.split(","):
             for i in range(args.requests):
