@@ -91,8 +91,7 @@ class KVPool:
         if doc_rows <= 0 or scratch_rows <= 0:
             raise ValueError("a KV pool needs doc_rows > 0 and scratch_rows > 0")
         shape = (n_layers, doc_rows + scratch_rows, n_kv_heads, head_dim)
-        item = torch.empty((), dtype=dtype).element_size()
-        check_fits(doc_rows + scratch_rows, 2 * n_layers * n_kv_heads * head_dim * item, device)
+        check_fits(doc_rows + scratch_rows, 2 * n_layers * n_kv_heads * head_dim * dtype.itemsize, device)
         self.k = torch.empty(shape, dtype=dtype, device=device)
         self.v = torch.empty(shape, dtype=dtype, device=device)
         self.doc_rows = doc_rows
