@@ -97,7 +97,14 @@ class EngineConfig:
     """Settings of one FusionEngine.
 
     Attributes:
-        memory_budget_bytes: in-memory KV tier budget, bytes.
+        memory_budget_bytes: in-memory KV tier budget, bytes (the documents' rows of the GPU pool, or the host tier's
+            tensors).
+        gpu_memory_share: with the pool tier on a GPU, size the documents' rows instead so that the whole device is
+            this share of its memory in use once the pool is made (vLLM's gpu_memory_utilization): everything held
+            when the engine is built (its weights, other processes) counts, and the rest beyond the pool stays free
+            for prefills, CUDA graphs and other work. None (the default): `memory_budget_bytes` decides. On a CPU
+            or the host tier it has no effect. `kvfuse serve` sets 0.8 unless told otherwise: a server owns its
+            card, a library shares it.
         disk_cache_dir: folder of the persistent KV tier; None keeps caches in memory only.
         disk_budget_bytes: size limit of the disk tier, bytes.
         prompt: the prompt format (system prompt, instruction, question template).
@@ -165,6 +172,7 @@ class EngineConfig:
     """
 
     memory_budget_bytes: int = 4 << 30
+    gpu_memory_share: float | None = None
     disk_cache_dir: Path | None = None
     disk_budget_bytes: int = 20 << 30
     prompt: PromptFormat = field(default_factory=PromptFormat)
@@ -205,6 +213,10 @@ class EngineConfig:
             raise ValueError(f"kv_tier must be 'auto', 'pool' or 'host', got {self.kv_tier!r}")
         if self.memory_budget_bytes < 0 or self.disk_budget_bytes < 0 or self.id_index_bytes < 0:
             raise ValueError("cache budgets must be >= 0 bytes")
+        if self.gpu_memory_share is not None and (isinstance(self.gpu_memory_share, bool)
+                                                  or not isinstance(self.gpu_memory_share, (int, float))
+                                                  or not 0.0 < self.gpu_memory_share <= 1.0):
+            raise ValueError(f"gpu_memory_share must be None or a number in (0, 1], got {self.gpu_memory_share!r}")
         if (self.max_batch_size < 1 or self.max_queued_requests < 0 or self.decode_tokens < 0
                 or self.prefill_tokens_per_step < 1):
             raise ValueError("max_batch_size and prefill_tokens_per_step must be >= 1, max_queued_requests and "

@@ -35,8 +35,8 @@ from .prompt import PromptBuilder
 from .registry import DocumentIndex
 from .runner import Runner, Segment
 from .store import CorruptEntry, DocKV, DocStore, Namespace, content_key
-from .store.pool import KVPool
-from .decode import request_rows, sized_rows
+from .store.pool import KVPool, share_rows
+from .decode import decode_rows, request_rows, sized_rows
 from .types import Document
 
 __all__ = ["DocumentCache", "Piece"]
@@ -203,16 +203,22 @@ class DocumentCache:
     def _make_store(self) -> DocStore:
         cfg, spec = self.config, self.decoder.spec
         tier = cfg.kv_tier if cfg.kv_tier != "auto" else ("pool" if self.device.type == "cuda" else "host")
-        pool = None
+        pool, budget = None, cfg.memory_budget_bytes
         if tier == "pool":
             row_bytes = spec.kv_bytes_per_token * self.decoder.embed.element_size()
             scratch = cfg.scratch_tokens or request_rows(self.context_window)
-            # documents (up to the memory budget) and the running requests' decode rows share one pool, sized to
-            # what the device has free
-            docs, decode = sized_rows(cfg, self.context_window, max(1, cfg.memory_budget_bytes // row_bytes), scratch,
-                                      row_bytes, self.device)
+            # documents (up to the memory budget, or grown to `gpu_memory_share` of the card) and the running
+            # requests' decode rows share one pool, sized to what the device has free
+            wanted = max(1, cfg.memory_budget_bytes // row_bytes)
+            if cfg.gpu_memory_share is not None:
+                grown = share_rows(cfg.gpu_memory_share, row_bytes, self.device,
+                                   decode_rows(cfg, self.context_window) + scratch)
+                if grown is not None:  # a GPU: the share decides, down to one longest request
+                    wanted = max(request_rows(self.context_window), grown)
+            docs, decode = sized_rows(cfg, self.context_window, wanted, scratch, row_bytes, self.device)
             pool = KVPool(spec.n_layers, spec.n_kv_heads, spec.head_dim, docs + decode, scratch, self.dtype,
                           self.device)
+            budget = docs * row_bytes  # the documents' share of the pool; the decode rows are the requests'
         remote = None
         if cfg.redis_url is not None:
             from .store.redis_tier import RedisTier
@@ -221,7 +227,7 @@ class DocumentCache:
             remote = RedisTier(cfg.redis_url, self.namespace.digest[:32], cfg.redis_budget_bytes,
                                timeout_s=cfg.redis_timeout_s, retry_s=cfg.redis_retry_s, ttl_s=cfg.redis_ttl_s,
                                secret=cfg.cache_secret_bytes(), id_scope=self.prefix_key[:32])
-        return DocStore(cfg.memory_budget_bytes, cfg.disk_cache_dir, cfg.disk_budget_bytes, device=self.device,
+        return DocStore(budget, cfg.disk_cache_dir, cfg.disk_budget_bytes, device=self.device,
                         pool=pool, pin=tier == "host" and self.device.type == "cuda", id_scope=self.prefix_key[:32],
                         id_index_bytes=cfg.id_index_bytes, disk_retry_s=cfg.disk_retry_s,
                         validate=self._validate_entry, disk_secret=cfg.cache_secret_bytes(), remote=remote)

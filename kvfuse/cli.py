@@ -37,6 +37,9 @@ def _engine(args):
     budget = getattr(args, "memory_budget", None)
     if budget is not None:
         config["memory_budget_bytes"] = _size(budget, "--memory-budget")
+    share = _gpu_share(args)
+    if share is not None:
+        config["gpu_memory_share"] = share
     cold = getattr(args, "cold_documents", None)
     if cold is not None:
         config["cold_documents"] = cold
@@ -54,8 +57,24 @@ def _adapter_arg(value):
     return "auto" if value is None else value
 
 
+#: the share of a GPU `kvfuse serve` fills with its pool unless told otherwise (EngineConfig.gpu_memory_share)
+SERVE_GPU_SHARE = 0.8
+
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20, "MIB": 1 << 20,
           "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30, "T": 1 << 40, "TB": 1 << 40, "TIB": 1 << 40}
+
+
+def _gpu_share(args) -> float | None:
+    """`--gpu-memory-share` (serve): the share given; by default 0.8, unless `--memory-budget` sized the documents
+    (a number given by hand wins); 0 turns the share off. Other commands: None."""
+    if not hasattr(args, "gpu_memory_share"):
+        return None
+    share = args.gpu_memory_share
+    if share is None:
+        return None if args.memory_budget is not None else SERVE_GPU_SHARE
+    if not 0.0 <= share <= 1.0:
+        raise CliError(f"--gpu-memory-share must be in [0, 1] (0: off), got {share}")
+    return share or None
 
 
 def _size(text: str, name: str) -> int:
@@ -457,6 +476,7 @@ def cmd_serve(args) -> int:
     check_real(args.shutdown_timeout, "--shutdown-timeout", low=0.0)
     if args.memory_budget is not None:
         _size(args.memory_budget, "--memory-budget")
+    _gpu_share(args)
     api_key = args.api_key if args.api_key is not None else os.environ.get("KVFUSE_API_KEY") or None
     warm = _warmup_args(args)  # checked before the model loads
     docs = _load_docs(args.documents) if args.documents else []
@@ -689,7 +709,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default 30)")
     p.add_argument("--no-disk-cache", action="store_true", help="keep document caches in memory only")
     p.add_argument("--memory-budget", default=None,
-                   help="bytes of document caches kept in memory, e.g. 512M or 40G (default 4G)")
+                   help="bytes of document caches kept in memory, e.g. 512M or 40G (default 4G on the CPU; on a GPU "
+                        "see --gpu-memory-share)")
+    p.add_argument("--gpu-memory-share", type=float, default=None, metavar="SHARE",
+                   help=f"on a GPU, grow the document caches' pool until the card is this share of its memory in use "
+                        f"(default {SERVE_GPU_SHARE} unless --memory-budget is given; 0: off, --memory-budget decides)")
     p.add_argument("--cold-documents", default=None, choices=["compute", "auto", "full"],
                    help="a request with documents that have no cache yet: compute them first (compute, the default), "
                         "or answer it by full prefill and build their caches between requests (full; auto: when "

@@ -11,7 +11,7 @@ import logging
 
 import torch
 
-__all__ = ["KVPool", "RESERVE_SHARE", "check_fits", "fit_rows"]
+__all__ = ["KVPool", "RESERVE_SHARE", "check_fits", "fit_rows", "share_rows"]
 
 log = logging.getLogger("kvfuse.engine")
 
@@ -74,6 +74,19 @@ def fit_rows(doc_rows: int, decode_rows: int, scratch_rows: int, row_bytes: int,
                 doc_rows, decode_rows, scratch_rows, (doc_rows + decode_rows + scratch_rows) * gib, free / 2 ** 30,
                 device, 100 * RESERVE_SHARE, docs, docs * gib, decode, decode * gib)
     return docs, decode
+
+
+def share_rows(share: float, row_bytes: int, device, other_rows: int) -> int | None:
+    """Document rows that bring the whole device's use to `share` of its memory once a pool of those rows and
+    `other_rows` (decode, scratch) is made (vLLM's gpu_memory_utilization: what anything holds now, this process's
+    weights and other processes' alike, counts against the share). 0 when the share is already used; None when
+    `device` is not a GPU (or gives no reading)."""
+    mem = _device_memory(device)
+    if mem is None:
+        return None
+    free, total = mem
+    room = int(share * total) - (total - free)
+    return max(0, room // row_bytes - other_rows)
 
 
 class KVPool:

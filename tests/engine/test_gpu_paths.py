@@ -340,3 +340,28 @@ def test_drift_on_cuda_pool_and_host_tiers_matches_the_cpu(strategy):
             got = gpu.next_token_logprobs(QUESTION, docs, [11, 12, 13], strategy=strategy, recompute_ratio=0.3)
             want = cpu.next_token_logprobs(QUESTION, docs, [11, 12, 13], strategy=strategy, recompute_ratio=0.3)
             torch.testing.assert_close(got.cpu(), want, rtol=1e-3, atol=1e-3)
+
+
+def test_gpu_memory_share_fills_the_card_to_its_share():
+    """The pool grown to `gpu_memory_share` leaves the card at that share of its memory in use (the reading the
+    share is computed from: weights, this process's other engines and other processes all counted), and the grown
+    engine serves what a small one serves."""
+    import gc
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    share = min(0.95, (total - free + (2 << 30)) / total)  # about 2 GiB more than what is in use now
+    small = _engine("llama3", kv_tier="pool")
+    big = _engine("llama3", kv_tier="pool", gpu_memory_share=share)
+    free_after, _ = torch.cuda.mem_get_info()
+    in_use = (total - free_after) + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    pool = big.store.memory.pool
+    assert pool.k.numel() * pool.k.element_size() * 2 > (1 << 30)  # grown well past the 256 MiB budget
+    # the small engine was made before the big one, so it counts against the share; at most one reading's slack
+    assert abs((total - free_after) - share * total) < (512 << 20), (total - free_after, share * total, in_use)
+    kw = dict(strategy="infoflow", recompute_ratio=0.3, max_new_tokens=6)
+    assert big.generate(QUESTION, DOCS, **kw).token_ids == small.generate(QUESTION, DOCS, **kw).token_ids
+    del big, pool
+    gc.collect()
+    torch.cuda.empty_cache()

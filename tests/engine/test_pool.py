@@ -126,3 +126,54 @@ def test_pool_under_pressure_never_serves_overwritten_rows(tiny_engine):
     b = small.generate(QUESTION, DOCS, strategy="reuse", max_new_tokens=4, return_logprobs=True)
     torch.testing.assert_close(a.extra["logprobs"], b.extra["logprobs"], rtol=1e-5, atol=1e-5)
     assert small.cache_stats()["evictions"] > 0
+
+
+def test_share_rows_fills_the_card_to_its_share(monkeypatch):
+    """Whatever is held now (weights, other processes) counts against the share; the decode and scratch rows are
+    taken from it before the documents'."""
+    from kvfuse.engine.store import pool as pool_mod
+
+    row = 64
+    monkeypatch.setattr(pool_mod, "_device_memory", lambda device: (600 * row, 1000 * row))  # 400 rows in use
+    assert pool_mod.share_rows(0.9, row, "cpu", other_rows=100) == 900 - 400 - 100
+    assert pool_mod.share_rows(1.0, row, "cpu", other_rows=0) == 600
+    assert pool_mod.share_rows(0.3, row, "cpu", other_rows=0) == 0  # more than the share is in use already
+    monkeypatch.setattr(pool_mod, "_device_memory", lambda device: None)
+    assert pool_mod.share_rows(0.9, row, "cpu", other_rows=100) is None  # not a GPU
+
+
+def test_an_engine_grows_its_document_rows_to_the_gpu_share(tiny_engine, monkeypatch):
+    """With gpu_memory_share on a (faked) GPU the documents get every row the share leaves beside the decode and
+    scratch rows, whatever memory_budget_bytes says, and the memory tier's budget is those rows; the engine then
+    serves what a plain one serves."""
+    from kvfuse.engine.store import pool as pool_mod
+
+    plain = tiny_engine("llama3", kv_tier="pool", memory_budget_bytes=1 << 20, scratch_tokens=512)
+    p = plain.decoding.arena.pool
+    rb = p.row_bytes
+    other = p.doc_rows - (1 << 20) // rb + p.scratch_rows  # decode + scratch rows of that engine
+    total, used = 40000 * rb, 3000 * rb
+    monkeypatch.setattr(pool_mod, "_device_memory", lambda device: (total - used, total))
+    big = tiny_engine("llama3", kv_tier="pool", memory_budget_bytes=1 << 20, scratch_tokens=512,
+                      gpu_memory_share=0.5)
+    q = big.decoding.arena.pool
+    assert q.doc_rows + q.scratch_rows == 20000 - 3000  # the card at half its memory once the pool is made
+    docs = q.doc_rows - (other - p.scratch_rows)
+    assert docs == 20000 - 3000 - other and docs * rb > 1 << 20
+    assert big.store.memory.budget == docs * rb
+    a = plain.generate(QUESTION, DOCS, strategy="infoflow", recompute_ratio=0.3, max_new_tokens=6)
+    b = big.generate(QUESTION, DOCS, strategy="infoflow", recompute_ratio=0.3, max_new_tokens=6)
+    assert a.token_ids == b.token_ids
+    # a share already used up leaves one longest request's rows (then the usual fitting, here: it fits)
+    monkeypatch.setattr(pool_mod, "_device_memory", lambda device: (total // 2, total))
+    small = tiny_engine("llama3", kv_tier="pool", memory_budget_bytes=1 << 20, scratch_tokens=512,
+                        gpu_memory_share=0.1)
+    assert small.store.memory.budget == min(small.context_window, 32768) * rb
+
+
+@pytest.mark.parametrize("share", [0.0, -0.1, 1.5, float("nan"), True, "0.5"])
+def test_a_bad_gpu_memory_share_is_refused(share):
+    from kvfuse.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="gpu_memory_share"):
+        EngineConfig(gpu_memory_share=share)

@@ -256,3 +256,30 @@ def test_cli_checks_route_and_budget_arguments(capsys):
     assert "listed twice" in capsys.readouterr().err
     assert main(["serve", "--memory-budget", "lots"]) == 2
     assert "--memory-budget must be a size" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, share", [
+    ([], 0.8),                                   # a server fills its card (on a GPU) by default
+    (["--gpu-memory-share", "0.6"], 0.6),
+    (["--memory-budget", "2G"], None),           # a budget given by hand decides
+    (["--memory-budget", "2G", "--gpu-memory-share", "0.5"], 0.5),
+    (["--gpu-memory-share", "0"], None),         # off
+])
+def test_serve_sizes_its_gpu_pool_by_share(argv, share, monkeypatch):
+    from kvfuse import cli
+    from kvfuse.engine import api
+
+    seen = {}
+    monkeypatch.setattr(api.FusionEngine, "from_pretrained", staticmethod(lambda *a, **k: seen.update(k)))
+    cli._engine(cli.build_parser().parse_args(["serve", *argv]))
+    assert seen.get("gpu_memory_share") == share
+    seen.clear()
+    cli._engine(cli.build_parser().parse_args(["ask", "q?"]))  # other commands: the library's default
+    assert "gpu_memory_share" not in seen
+
+
+def test_serve_refuses_a_bad_gpu_share_before_loading(capsys):
+    from kvfuse.cli import main
+
+    assert main(["serve", "--gpu-memory-share", "1.5"]) == 2
+    assert "--gpu-memory-share must be in [0, 1]" in capsys.readouterr().err
