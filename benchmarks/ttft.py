@@ -82,18 +82,19 @@ def build(shape: str, device: str):
 
 
 def make_engine(model, tier: str, pool_tokens: int, scratch: int, cuda_graphs: bool = True,
-                decode_tokens: int | None = None):
+                decode_tokens: int | None = None, **config):
     """An engine over `model` with room for `pool_tokens` document rows, a `scratch`-row prefill and, by default,
     one running request of `scratch` + 64 rows (the benchmarks decode a few tokens of one request at a time; the
     engine's default keeps twice the context window, 8 GB on the 8B shape, which is what made a second engine or a
-    32k row after shorter ones run out of an 80 GB card)."""
+    32k row after shorter ones run out of an 80 GB card). `config`: other EngineConfig fields."""
     from kvfuse.engine.api import FusionEngine
     from kvfuse.engine.config import EngineConfig
 
     spec_bytes = 2 * model.config.num_hidden_layers * model.config.num_key_value_heads * (
         model.config.hidden_size // model.config.num_attention_heads) * 2
     cfg = EngineConfig(memory_budget_bytes=pool_tokens * spec_bytes, kv_tier=tier, scratch_tokens=scratch,
-                       cuda_graphs=cuda_graphs, decode_tokens=scratch + 64 if decode_tokens is None else decode_tokens)
+                       cuda_graphs=cuda_graphs, decode_tokens=scratch + 64 if decode_tokens is None else decode_tokens,
+                       **config)
     return FusionEngine(model, _IdsTokenizer(), cfg, model_name="random", model_fingerprint="bench",
                         tokenizer_fingerprint="ids")
 

@@ -37,6 +37,7 @@ from .runner import Runner, Segment
 from .store import CorruptEntry, DocKV, DocStore, Namespace, content_key
 from .store.pool import KVPool, share_rows
 from .decode import decode_rows, request_rows, sized_rows
+from .docpass import CUDA_PASS_TOKENS, documents_pass
 from .types import Document
 
 __all__ = ["DocumentCache", "Piece"]
@@ -120,10 +121,21 @@ class DocumentCache:
         Returns:
             the pre-RoPE K/V of the rows of `ids`: [n_layers, len(ids), n_kv_heads, head_dim].
         """
+        context = list(context)
+        if not context:
+            return self.compute_many([ids])[0]
         full, segs = self.after_prefix([*context, (ids, None)])
         n = int(full.numel())
         return self.doc_runner.prefill(full, segs, Reuse(), 0.0, capture=(n - len(ids), n),
                                        want_logits=False).captured
+
+    def compute_many(self, docs: Sequence[Sequence[int]]) -> list[DocKV]:
+        """Each of `docs` prefilled alone after the prefix, all in as few passes as fit (engine/docpass.py); stores
+        nothing. Returns: one pre-RoPE DocKV per document, in order."""
+        rows = self.config.document_pass_tokens
+        if rows is None:
+            rows = CUDA_PASS_TOKENS if self.device.type == "cuda" else 0
+        return documents_pass(self.doc_runner, self.prefix_kv(), docs, max_tokens=rows or 1)
 
     # -- serving -----------------------------------------------------------------------------------------------
     def kvs(self, docs: Sequence[Document], strategy: Strategy | None = None,
@@ -143,21 +155,34 @@ class DocumentCache:
         needs = tuple(getattr(strategy, "needs_extras", ()))
         if doc_ids is None:
             doc_ids = [self.prompts.encode_document(d) for d in docs]
-        for d, ids in zip(docs, doc_ids, strict=True):
+        if variant:
+            found = [None] * len(docs)
+        else:  # look every document up first, then compute the missing ones together (one pass, each content once)
+            keys = [content_key(self.namespace, self.prompts.prefix_ids, ids) for ids in doc_ids]
+            missing: dict[str, list[int]] = {}
+            found = []
+            for d, ids, key in zip(docs, doc_ids, keys, strict=True):
+                # a repeat of a document missing here is looked up after the first is stored (a hit, as it was)
+                found.append(None if key in missing else self.store.lookup(d.id, key, len(ids)))
+                if found[-1] is None:
+                    missing.setdefault(key, ids)
+            fresh = dict(zip(missing, self.compute_many(list(missing.values())), strict=True)) if missing else {}
+        for j, (d, ids) in enumerate(zip(docs, doc_ids, strict=True)):
             if variant:
                 kv, n = self.cache_variants[variant](self, strategy, d, ids)
                 out.append((ids, kv))
                 tokens += n
                 continue
-            key = content_key(self.namespace, self.prompts.prefix_ids, ids)
-            kv = self.store.lookup(d.id, key, len(ids))
-            if kv is None:
-                kv = self.store.put(d.id, key, self.compute(ids))
+            key, kv = keys[j], found[j]
+            if kv is None and key not in fresh:
+                kv = self.store.lookup(d.id, key, len(ids))
+            if kv is None:  # computed above (or, should the store have dropped it since, now)
+                kv = self.store.put(d.id, key, fresh.pop(key) if key in fresh else self.compute(ids))
                 tokens += len(ids)
-            missing = [n for n in needs if n not in kv.extras]
-            if missing:
+            missing_extras = [n for n in needs if n not in kv.extras]
+            if missing_extras:
                 extras = dict(kv.extras)
-                for name in missing:
+                for name in missing_extras:
                     extras.update(self.doc_profilers[name](self, ids, kv))
                 own = kv if kv.pool is None else DocKV(kv.k.clone(), kv.v.clone())  # pooled rows get moved
                 kv = self.store.put(d.id, key, DocKV(own.k, own.v, extras))

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-__all__ = ["causal_attention", "token_major_sdpa"]
+__all__ = ["causal_attention", "head_major_sdpa", "token_major_sdpa"]
 
 _CUDA_ORDER = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                SDPBackend.MATH]
@@ -40,19 +40,24 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 def token_major_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, is_causal: bool = False,
                      attn_mask: torch.Tensor | None = None) -> torch.Tensor:
     """One SDPA call over token-major [T, H, D] tensors (GQA handled), back to [T, Hq, D]."""
+    out = head_major_sdpa(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], scale,
+                          is_causal=is_causal, attn_mask=attn_mask)
+    return out[0].transpose(0, 1).contiguous()
+
+
+def head_major_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, is_causal: bool = False,
+                    attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """SDPA over [B, Hq, L, D] queries and [B, Hkv, S, D] keys and values (GQA handled): [B, Hq, L, D]."""
     hq, hkv = q.shape[1], k.shape[1]
-    qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
     if q.device.type == "cuda" and attn_mask is None:
         # cuDNN's fused kernel first: it takes grouped K/V heads as they are (measured on an H200,
         # benchmarks/layer_pieces.py: 1.7-2x the flash kernel with K/V repeated, at 2k-8k rows)
         with sdpa_kernel(_CUDA_ORDER, **_PRIORITY):
-            out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=is_causal, scale=scale, enable_gqa=hq != hkv)
-    elif q.device.type == "cuda" and hq != hkv:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=hq != hkv)
+    if q.device.type == "cuda" and hq != hkv:
         # masked: the fused CUDA kernels want equal head counts; repeating K/V is cheap next to the attention itself
-        kh = kh.repeat_interleave(hq // hkv, dim=1)
-        vh = vh.repeat_interleave(hq // hkv, dim=1)
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
-    else:
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
-                                             enable_gqa=hq != hkv)
-    return out[0].transpose(0, 1).contiguous()
+        k = k.repeat_interleave(hq // hkv, dim=1)
+        v = v.repeat_interleave(hq // hkv, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
+                                          enable_gqa=hq != hkv)

@@ -365,3 +365,29 @@ def test_gpu_memory_share_fills_the_card_to_its_share():
     del big, pool
     gc.collect()
     torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3"])
+def test_documents_pass_on_cuda_matches_one_prefill_per_document(family):
+    """CUDA's default documents pass (padded attention, all new documents in one pass) gives each document the cache
+    the runner's own one-document prefill gives, up to bf16 rounding, and a cold request the same answer."""
+    from kvfuse.engine.docpass import documents_pass
+    from kvfuse.engine.fusion.reuse import Reuse
+    from kvfuse.engine.types import Document
+
+    batched = _engine(family, kv_tier="pool")
+    alone = _engine(family, kv_tier="pool", document_pass_tokens=0)
+    dc = batched.doc_cache
+    texts = [t for _, t in DOCS] + ["Short.", "The river Dunmore floods every spring; " * 6]
+    ids = [batched.prompts.encode_document(Document(f"d{i}", t)) for i, t in enumerate(texts)]
+    got = documents_pass(dc.doc_runner, dc.prefix_kv(), ids)
+    for x, kv in zip(ids, got, strict=True):
+        full, segs = dc.after_prefix([(x, None)])
+        n = int(full.numel())
+        ref = dc.doc_runner.prefill(full, segs, Reuse(), 0.0, capture=(n - len(x), n), want_logits=False).captured
+        assert kv.k.device.type == "cuda" and kv.k.shape == ref.k.shape
+        torch.testing.assert_close(kv.k.float(), ref.k.float(), rtol=0.02, atol=0.05)
+        torch.testing.assert_close(kv.v.float(), ref.v.float(), rtol=0.02, atol=0.05)
+    kw = dict(strategy="infoflow", recompute_ratio=0.3, max_new_tokens=6)
+    a, b = batched.generate(QUESTION, DOCS, **kw), alone.generate(QUESTION, DOCS, **kw)
+    assert a.cache_misses == b.cache_misses == len(DOCS) and a.token_ids == b.token_ids

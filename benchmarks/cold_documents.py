@@ -1,0 +1,100 @@
+"""Requests whose documents have no cache yet (a RAG request's first sight of them): the documents computed one
+prefill each against one documents pass (engine/docpass.py), side by side in one run.
+
+Every timed request brings new random documents (128-1024 tokens, as benchmarks/ttft.py's first-sight layouts), so
+each is computed before the fused prefill (`cold_documents="compute"`, the default). Printed per row: HF SDPA full
+prefill of the same prompt, kvfuse `full`, the strategy cold with one document per pass (`document_pass_tokens=0`)
+and with the default pass, and `precompute` of the same documents both ways; ratios against HF and batched against
+one-per-pass.
+
+    python benchmarks/cold_documents.py --shapes qwen05b,llama8b --contexts 2048,8192 --strategies infoflow,cacheblend
+    python benchmarks/cold_documents.py --device cpu --shapes qwen05b --contexts 2048   # slow, ratios only
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ttft import build, hf_prefill, make_engine, random_layout, time_call  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="qwen05b,llama8b")
+    ap.add_argument("--contexts", default="2048,8192")
+    ap.add_argument("--strategies", default="infoflow,cacheblend")
+    ap.add_argument("--ratio", type=float, default=0.15)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args()
+    print({"torch": torch.__version__, "device": args.device,
+           "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None}, flush=True)
+    seeds = itertools.count(1)
+    for shape in args.shapes.split(","):
+        model = build(shape, args.device)
+        vocab = model.config.vocab_size
+        for ctx in (int(c) for c in args.contexts.split(",")):
+            engines = {name: make_engine(model, "pool", pool_tokens=4 * ctx, scratch=ctx + 64,
+                                         document_pass_tokens=pass_tokens)
+                       for name, pass_tokens in (("one per pass", 0), ("one pass", 8192))}
+            ref = engines["one pass"]
+
+            def hf():
+                q, docs = random_layout(ref, ctx, 64, vocab, next(seeds))
+                ids = [*ref.prompts.prefix_ids, *[t for d in docs for t in d.token_ids], *q]
+                return hf_prefill(model, torch.tensor([ids], device=args.device))
+
+            def cold(engine, strategy):
+                def call():
+                    q, docs = random_layout(engine, ctx, 64, vocab, next(seeds))
+                    _sync(args.device)
+                    t0 = time.perf_counter()
+                    engine.generate(question_ids=q, docs=docs, strategy=strategy, recompute_ratio=args.ratio,
+                                    max_new_tokens=1)
+                    return time.perf_counter() - t0
+                return call
+
+            def precompute(engine):
+                def call():
+                    _, docs = random_layout(engine, ctx, 64, vocab, next(seeds))
+                    _sync(args.device)
+                    t0 = time.perf_counter()
+                    engine.precompute(docs)
+                    _sync(args.device)
+                    return time.perf_counter() - t0
+                return call
+
+            t_hf = time_call(hf, args.reps, args.warmup)[0]
+            print(f"{shape:8s} {ctx:6d}  HF SDPA full{'':32s}{t_hf * 1e3:9.2f} ms", flush=True)
+            t_full = time_call(cold(ref, "full"), args.reps, args.warmup)[0]
+            print(f"{shape:8s} {ctx:6d}  kvfuse full{'':33s}{t_full * 1e3:9.2f} ms  x{t_hf / t_full:5.2f} vs HF",
+                  flush=True)
+            rows = [(f"{s} {args.ratio:g}, cold", lambda e, s=s: cold(e, s)) for s in args.strategies.split(",")]
+            rows.append(("precompute", precompute))
+            for label, make in rows:
+                t = {name: time_call(make(e), args.reps, args.warmup)[0] for name, e in engines.items()}
+                a, b = t["one per pass"], t["one pass"]
+                print(f"{shape:8s} {ctx:6d}  {label:28s} one per pass {a * 1e3:9.2f} ms  one pass {b * 1e3:9.2f} ms"
+                      f"  x{a / b:5.2f} faster  (vs HF: x{t_hf / a:5.2f} -> x{t_hf / b:5.2f})", flush=True)
+            for e in engines.values():
+                e.close()
+        del model
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    return 0
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

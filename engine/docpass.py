@@ -1,0 +1,121 @@
+"""Many documents' caches in one pass: each document after the shared prefix, as if computed alone.
+
+A document's cache is its rows' pre-RoPE K/V when it is prefilled alone after the prompt prefix (positions P ..
+P + L - 1, attending to the prefix and to itself). Computing the documents of a request, or of a precompute slice,
+one prefill each reads every weight once per document and, on a GPU, launches every layer's kernels once per
+document: for ten 150-token passages on the embedded model that cost 2.5x one full prefill of the whole prompt.
+
+Here the documents' rows are packed into one row set and run through each layer together: the projections and the
+MLP are one GEMM over all of them; the attention is per document (on CUDA one batched call, a batch row per
+document padded to the longest; elsewhere one call each), its queries against the prefix's keys and its own, causal by position (``key position <= query
+position``), so no document sees another. Documents are sorted by length (less padding) and packed into passes of
+at most `max_tokens` rows (a longer document is a pass of its own).
+
+What it gives equals the one-document prefill's cache up to the rounding of GEMMs over a different row count
+(tests/engine/test_docpass.py holds it to the per-document path's tolerance, and recompute-all to full prefill).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from ..kernels.causal import head_major_sdpa, token_major_sdpa
+from ..kernels.rope import apply_rope
+from .store.entry import DocKV
+
+__all__ = ["CUDA_PASS_TOKENS", "documents_pass", "pack"]
+
+#: rows of one pass by default on CUDA (EngineConfig.document_pass_tokens)
+CUDA_PASS_TOKENS = 8192
+
+
+def pack(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Indices of `lengths` grouped into consecutive passes of at most `max_tokens` rows (a longer one alone)."""
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    passes, cur, rows = [], [], 0
+    for i, n in enumerate(lengths):
+        if cur and rows + n > max_tokens:
+            passes.append(cur)
+            cur, rows = [], 0
+        cur.append(i)
+        rows += n
+    if cur:
+        passes.append(cur)
+    return passes
+
+
+@torch.inference_mode()
+def documents_pass(runner, prefix: DocKV, docs: Sequence[Sequence[int]], max_tokens: int = 8192, *,
+                   batched: bool | None = None) -> list[DocKV]:
+    """Each document's cache, computed after `prefix` as if alone, packed into as few passes as fit.
+
+    Args:
+        runner: the Runner whose decoder computes the documents (the engine's document runner: with an offline
+            fusion adapter, the adapted model).
+        prefix: the prefix's cache: [n_layers, P, n_kv_heads, head_dim] pre-RoPE K and V, positions 0 .. P - 1.
+        docs: token ids of each document (each non-empty).
+        max_tokens: rows per pass.
+        batched: the attention of a pass as one padded call (True) or one call per document at its own length
+            (False); None: padded on CUDA, where one call per document per layer costs more in launches than the
+            padding costs, per document elsewhere (the CPU pays for the padding's work).
+    Returns:
+        one DocKV per document, in order: [n_layers, L, n_kv_heads, head_dim] pre-RoPE K and V.
+    """
+    if any(len(d) == 0 for d in docs):
+        raise ValueError("every document needs at least one token")
+    out: list[DocKV | None] = [None] * len(docs)
+    order = sorted(range(len(docs)), key=lambda i: len(docs[i]))  # passes of like lengths: little padding
+    for group in pack([len(docs[i]) for i in order], max_tokens):
+        members = [order[g] for g in group]
+        for i, kv in zip(members, _one_pass(runner, prefix, [docs[i] for i in members], batched), strict=True):
+            out[i] = kv
+    return out
+
+
+def _one_pass(runner, prefix: DocKV, docs: list[Sequence[int]], batched: bool | None) -> list[DocKV]:
+    dec, spec = runner.dec, runner.spec
+    dev = dec.device
+    p, b = int(prefix.k.shape[1]), len(docs)
+    padded = batched if batched is not None else dev.type == "cuda"
+    lens = torch.tensor([len(d) for d in docs])
+    width = int(lens.max())
+    cos, sin = runner.rope(p + width)
+    ids = torch.tensor([t for d in docs for t in d], dtype=torch.long, device=dev)
+    starts = torch.cumsum(lens, 0) - lens
+    within = torch.arange(int(lens.sum())) - starts.repeat_interleave(lens)   # [T] row's index in its document
+    rope_rows = (cos[p + within.to(dev)], sin[p + within.to(dev)])            # each document after the prefix
+    prefix_rope = (cos[:p], sin[:p])
+    j = torch.arange(width)
+    real = j[None, :] < lens[:, None]                                          # [B, W] a document's rows, then pad
+    flat = torch.where(real, starts[:, None] + j[None, :], 0).to(dev)          # [B, W] its flat row (pad: row 0)
+    real = real.to(dev)
+    # key <= query by position: a row sees the prefix and its document's rows up to itself. Pad keys sit after every
+    # real row of their document, so no real row sees one; pad rows are computed and dropped.
+    key = torch.arange(p + width, device=dev)
+    mask = key[None, :] <= (p + j.to(dev))[:, None]                            # [W, P + W]
+    spans = list(zip(starts.tolist(), lens.tolist()))
+    h = dec.embed_tokens(ids)
+    ks, vs = [], []
+    for i in range(spec.n_layers):
+        q, k, v = dec.project(i, h)                                            # [T, H, D], K/V pre-RoPE
+        ks.append(k)
+        vs.append(v)
+        qr, kr = apply_rope(q, *rope_rows), apply_rope(k, *rope_rows)
+        pk = apply_rope(prefix.k[i].to(dev), *prefix_rope)                     # [P, Hkv, D]
+        pv = prefix.v[i].to(dev)
+        if padded:  # one call for the whole pass
+            heads = lambda x: x[flat].transpose(1, 2)                          # noqa: E731  [B, H, W, D]
+            keys = torch.cat([pk.transpose(0, 1)[None].expand(b, -1, -1, -1), heads(kr)], dim=2)
+            vals = torch.cat([pv.transpose(0, 1)[None].expand(b, -1, -1, -1), heads(v)], dim=2)
+            o = head_major_sdpa(heads(qr), keys, vals, spec.scale, attn_mask=mask)  # [B, Hq, W, D]
+            o = o.transpose(1, 2)[real]                                        # [T, Hq, D], flat row order
+        else:  # one call per document, at its own length
+            o = torch.cat([token_major_sdpa(qr[a:a + n], torch.cat([pk, kr[a:a + n]]), torch.cat([pv, v[a:a + n]]),
+                                            spec.scale, attn_mask=mask[:n, :p + n]) for a, n in spans])
+        h = dec.finish(i, h, o)
+    k_all, v_all = torch.stack(ks), torch.stack(vs)                            # [n_layers, T, Hkv, D]
+    edges = [*starts.tolist(), int(lens.sum())]
+    return [DocKV(k_all[:, a:e].clone(), v_all[:, a:e].clone()) for a, e in zip(edges, edges[1:])]

@@ -1,0 +1,111 @@
+"""Documents computed together in one pass (engine/docpass.py) give each document the cache it gets prefilled
+alone after the prefix: same rows, same positions, no document seeing another."""
+from __future__ import annotations
+
+import pytest
+import torch
+from cases import DOCS, FAMILIES, QUESTION
+
+from kvfuse.engine.docpass import documents_pass, pack
+from kvfuse.engine.fusion.reuse import Reuse
+from kvfuse.engine.types import Document
+
+
+def _alone(engine, ids):
+    """The per-document prefill (the runner's own path): the reference a pass must reproduce."""
+    dc = engine.doc_cache
+    full, segs = dc.after_prefix([(ids, None)])
+    n = int(full.numel())
+    return dc.doc_runner.prefill(full, segs, Reuse(), 0.0, capture=(n - len(ids), n), want_logits=False).captured
+
+
+def _docs(engine, n_extra=0):
+    texts = [t for _, t in DOCS] + ["Short.", "A" * 3, "The river Dunmore floods every spring; " * 6][:n_extra]
+    return [engine.prompts.encode_document(Document(f"d{i}", t)) for i, t in enumerate(texts)]
+
+
+@pytest.mark.parametrize("batched", [True, False], ids=["padded", "per-document"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_pass_gives_each_document_its_own_prefill(tiny_engine, family, batched):
+    engine = tiny_engine(family)
+    ids = _docs(engine, n_extra=3)  # lengths from 1-2 tokens to ~60: padding inside the pass
+    assert len({len(x) for x in ids}) > 3
+    got = documents_pass(engine.doc_cache.doc_runner, engine.doc_cache.prefix_kv(), ids, batched=batched)
+    for x, kv in zip(ids, got, strict=True):
+        ref = _alone(engine, x)
+        assert kv.k.shape == ref.k.shape == (engine.decoder.spec.n_layers, len(x), *ref.k.shape[2:])
+        torch.testing.assert_close(kv.k, ref.k, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(kv.v, ref.v, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("batched", [True, False], ids=["padded", "per-document"])
+def test_no_document_sees_another_and_passes_split_anywhere(tiny_engine, batched):
+    """A document's cache does not move with its pass-mates (the tolerance is far below what one more document in
+    its context moves it), nor with how the documents are split into passes."""
+    engine = tiny_engine("llama3")
+    dc = engine.doc_cache
+    ids = _docs(engine, n_extra=3)
+    one = documents_pass(dc.doc_runner, dc.prefix_kv(), ids, batched=batched)
+    split = documents_pass(dc.doc_runner, dc.prefix_kv(), ids, max_tokens=20, batched=batched)  # a long one alone
+    mates = documents_pass(dc.doc_runner, dc.prefix_kv(), [ids[1], ids[4], ids[0]], batched=batched)
+    for a, b in zip(one, split, strict=True):
+        torch.testing.assert_close(a.k, b.k, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(mates[2].k, one[0].k, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(mates[0].v, one[1].v, rtol=1e-4, atol=1e-4)
+    # what seeing another document looks like: document 2 computed after document 0 (fusionrag's context path)
+    seen = dc.compute(ids[2], context=[(ids[0], None)])
+    assert (seen.k[1:] - one[2].k[1:]).abs().max() > 100 * (split[2].k - one[2].k).abs().max().clamp_min(1e-6)
+
+
+def test_pack_keeps_passes_within_their_rows():
+    assert pack([3, 4, 5, 9, 2], 9) == [[0, 1], [2], [3], [4]]
+    assert pack([12, 1, 1], 9) == [[0], [1, 2]]  # longer than a pass: alone
+    assert pack([], 9) == []
+    with pytest.raises(ValueError, match="max_tokens"):
+        pack([1], 0)
+
+
+def test_an_empty_document_is_refused(tiny_engine):
+    engine = tiny_engine("llama")
+    with pytest.raises(ValueError, match="at least one token"):
+        documents_pass(engine.doc_cache.doc_runner, engine.doc_cache.prefix_kv(), [[1, 2], []])
+
+
+def test_a_cold_request_computes_its_documents_in_one_pass(tiny_engine, monkeypatch):
+    """Every missing document of a request goes through one documents pass (a repeated one computed once), and the
+    answer is the one-document-per-pass engine's (the CPU's default)."""
+    from kvfuse.engine import doccache
+
+    passes = []
+    real = doccache.documents_pass
+    monkeypatch.setattr(doccache, "documents_pass", lambda r, p, docs, **k: passes.append(len(docs)) or real(r, p, docs, **k))
+    batched = tiny_engine("qwen2", document_pass_tokens=8192)
+    docs = [*DOCS, DOCS[0]]
+    a = batched.generate(QUESTION, docs, strategy="cacheblend", recompute_ratio=0.3, max_new_tokens=6)
+    assert passes == [3] and a.cache_misses == 3 and a.cache_hits == 1
+    passes.clear()
+    alone = tiny_engine("qwen2", document_pass_tokens=0)
+    b = alone.generate(QUESTION, docs, strategy="cacheblend", recompute_ratio=0.3, max_new_tokens=6)
+    assert passes == [3] and a.token_ids == b.token_ids  # one call, each document its own pass inside it
+    warm = batched.generate(QUESTION, docs, strategy="cacheblend", recompute_ratio=0.3, max_new_tokens=6)
+    assert warm.cache_hits == 4 and warm.token_ids == a.token_ids and passes == [3]
+    rep = tiny_engine("qwen2", document_pass_tokens=8192).precompute([*DOCS, ("extra", "Dunmore lies on the river.")])
+    assert (rep.misses, rep.hits) == (4, 0) and passes[-1] == 4
+
+
+def test_document_pass_tokens_is_checked():
+    from kvfuse.engine.config import EngineConfig
+
+    for bad in (-1, 1.5, True, "8k"):
+        with pytest.raises(ValueError, match="document_pass_tokens"):
+            EngineConfig(document_pass_tokens=bad)
+
+
+def test_the_cpu_default_is_one_document_per_pass_bit_for_bit(tiny_engine):
+    """document_pass_tokens=None on the CPU: each document its own pass, so a cache is the per-document prefill's
+    bit for bit whatever else was computed with it (the reliability suite's exact comparisons rest on it)."""
+    engine = tiny_engine("qwen3")
+    ids = _docs(engine, n_extra=2)
+    for x, kv in zip(ids, engine.doc_cache.compute_many(ids), strict=True):
+        ref = _alone(engine, x)
+        assert torch.equal(kv.k, ref.k) and torch.equal(kv.v, ref.v)
