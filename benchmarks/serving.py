@@ -202,9 +202,8 @@ def decode_step_vs_floor(engine, model, batch: int, ctx: int, gbs: float) -> dic
     from kvfuse.engine.decode import Sequence
 
     for _ in range(batch):
-        start = arena.alloc(ctx + 64)
-        rows = torch.arange(start, start + ctx + 64, device=arena.pool.k.device)
-        seqs.append(Sequence(row_map=rows, length=ctx, prompt_len=ctx, slab=(start, ctx + 64)))
+        slab = arena.alloc(ctx + 64)
+        seqs.append(Sequence(row_map=slab.rows(arena.pool.k.device), length=ctx, prompt_len=ctx, slab=slab))
     toks = [1] * batch
     for _ in range(3):
         dec.step(seqs, toks)

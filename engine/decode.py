@@ -23,7 +23,7 @@ from .cudagraph import capture_graph
 from .sources import PooledSource, PoolRows
 from .store.pool import KVPool, fit_rows
 
-__all__ = ["Arena", "Sequence", "Decoding", "BATCH_BUCKETS", "decode_rows", "request_rows", "sized_rows"]
+__all__ = ["Arena", "Slab", "Sequence", "Decoding", "BATCH_BUCKETS", "decode_rows", "request_rows", "sized_rows"]
 
 _UIDS = itertools.count()
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -48,6 +48,38 @@ def sized_rows(config, context_window: int, doc_rows: int, scratch_rows: int, ro
                     min_rows=request_rows(context_window), shrink_decode=not config.decode_tokens)
 
 
+@dataclass(frozen=True)
+class Slab:
+    """Arena rows held by one sequence: ranges (start, rows), in order. One range when the arena has a free range
+    that long; otherwise several, so a long prompt needs no contiguous hole among the documents' rows."""
+
+    ranges: tuple[tuple[int, int], ...]
+
+    @property
+    def size(self) -> int:
+        return sum(n for _, n in self.ranges)
+
+    def rows(self, device) -> Tensor:
+        """[size] the rows, in order."""
+        if not self.ranges:
+            return torch.empty(0, dtype=torch.long, device=device)
+        return torch.cat([torch.arange(a, a + n, device=device) for a, n in self.ranges])
+
+    def split(self, k: int) -> tuple[Slab, Slab]:
+        """(its first k rows, the rest)."""
+        head, tail, left = [], [], k
+        for a, n in self.ranges:
+            if left >= n:
+                head.append((a, n))
+            elif left > 0:
+                head.append((a, left))
+                tail.append((a + left, n - left))
+            else:
+                tail.append((a, n))
+            left -= min(left, n)
+        return Slab(tuple(head)), Slab(tuple(tail))
+
+
 class Arena:
     """The rows sequences decode into: a KVPool plus a zeroed dummy row (padding of row maps and batches).
 
@@ -60,22 +92,30 @@ class Arena:
     def __init__(self, pool: KVPool, evict=None) -> None:
         self.pool = pool
         self._evict = evict
-        self.dummy = self.alloc(1)
+        self.dummy = pool.alloc(1)
         if self.dummy is None:
             raise RuntimeError("the KV arena has no free row")
         pool.k[:, self.dummy].zero_()
         pool.v[:, self.dummy].zero_()
 
-    def alloc(self, n: int) -> int | None:
-        """Start of a free range of n rows, evicting unpinned documents while needed; None when it can't fit."""
+    def alloc(self, n: int) -> Slab | None:
+        """n free rows: one range when there is one that long, else the free ranges needed (first first); evicts
+        unpinned documents only while fewer than n rows are free in all. None when they can't be found."""
         start = self.pool.alloc(n)
-        while start is None and self._evict is not None and self._evict():
+        if start is not None:
+            return Slab(((start, n),))
+        while self.pool.free_rows < n:
+            if self._evict is None or not self._evict():
+                return None
             start = self.pool.alloc(n)
-        return start
+            if start is not None:
+                return Slab(((start, n),))
+        return Slab(tuple(self.pool.alloc_scattered(n)))
 
-    def free(self, start: int, n: int) -> None:
-        if n > 0:
-            self.pool.free(start, n)
+    def free(self, slab: Slab) -> None:
+        for start, n in slab.ranges:
+            if n > 0:
+                self.pool.free(start, n)
 
 
 @dataclass
@@ -87,13 +127,13 @@ class Sequence:
         row_map: [capacity] int64 on the device.
         length: positions written.
         prompt_len: the prompt's length (answer positions follow).
-        slab: (start, rows) of the private rows this sequence owns in the arena.
+        slab: the private rows this sequence owns in the arena.
     """
 
     row_map: Tensor
     length: int
     prompt_len: int
-    slab: tuple[int, int]
+    slab: Slab
     shared_rows: int = 0  # prompt positions read in place from document rows
     uid: int = field(default_factory=lambda: next(_UIDS))
 
@@ -120,12 +160,12 @@ class Decoding:
 
     # -- opening a sequence --------------------------------------------------------------------------------
     @torch.inference_mode()
-    def open(self, pending, slab_start: int, reserve: int) -> Sequence:
+    def open(self, pending, slab: Slab, reserve: int) -> Sequence:
         """Writes a prefill's prompt K/V into the arena and returns its sequence.
 
         Args:
             pending: a PrefillOutput's `pending` (source, per-layer fresh rows, n).
-            slab_start: start of `n + reserve` arena rows reserved for this sequence (the part not needed, the
+            slab: the `n + reserve` arena rows reserved for this sequence (`Arena.alloc`; the part not needed, the
                 prompt rows read in place from documents, is given back).
             reserve: answer rows.
         """
@@ -141,12 +181,14 @@ class Decoding:
             shared = torch.zeros(n, dtype=torch.bool, device=dev)
         private = torch.nonzero(~shared).squeeze(1)                       # [P] positions (one host sync)
         p = int(private.numel())
-        rows = torch.arange(slab_start, slab_start + p, device=dev)
+        mine, spare = slab.split(p + reserve)
+        held = mine.rows(dev)                                              # [p + reserve] prompt rows, then answer's
+        rows = held[:p]
         row_map = torch.empty(n + reserve, dtype=torch.long, device=dev)
         if bool(shared.any()):
             row_map[:n] = src.base_rows.to(dev)
         row_map[private] = rows
-        row_map[n:] = torch.arange(slab_start + p, slab_start + p + reserve, device=dev)
+        row_map[n:] = held[p:]
         where = torch.full((n,), -1, dtype=torch.long, device=dev)
         where[private] = torch.arange(p, device=dev)                     # position -> index among the private rows
         pooled = isinstance(src, PooledSource)
@@ -165,15 +207,13 @@ class Decoding:
             ck[dst], cv[dst] = k, v  # rows computed at this layer override the cached ones
             pool.k[i].index_copy_(0, rows, ck)
             pool.v[i].index_copy_(0, rows, cv)
-        self.arena.free(slab_start + p + reserve, n - p)
-        return Sequence(row_map=row_map, length=n, prompt_len=n, slab=(slab_start, p + reserve),
-                        shared_rows=n - p)
+        self.arena.free(spare)
+        return Sequence(row_map=row_map, length=n, prompt_len=n, slab=mine, shared_rows=n - p)
 
     def close(self, seq: Sequence) -> None:
         """Gives the sequence's private rows back to the arena."""
-        start, rows = seq.slab
-        self.arena.free(start, rows)
-        seq.slab = (start, 0)
+        self.arena.free(seq.slab)
+        seq.slab = Slab(())
 
     # -- one decode step for a batch ------------------------------------------------------------------------
     def step_fn(self, tokens: Tensor, pos: Tensor, row_map: Tensor) -> Tensor:

@@ -196,7 +196,7 @@ class Request:
                 seq = self.seq = decoding.open(out.pending, slab, reserve)
             except BaseException:
                 if seq is None:
-                    decoding.arena.free(slab, layout.n + reserve)
+                    decoding.arena.free(slab)
                 raise
             after = store.snapshot()
             set_attributes(sp, prompt_tokens=layout.n, doc_tokens=layout.doc_tokens,
@@ -505,7 +505,7 @@ class Scheduler:
             self._retire(None)
             return 0
         if req.seq is not None:
-            self.private_rows_seen.append(req.seq.slab[1])
+            self.private_rows_seen.append(req.seq.slab.size)
             self.prompt_rows_seen.append(req.seq.capacity)
         computed = req.layout.n - (req.seq.shared_rows if req.seq is not None else 0)
         if going:

@@ -131,6 +131,22 @@ class KVPool:
                 return start
         return None
 
+    def alloc_scattered(self, n: int) -> list[tuple[int, int]]:
+        """n free rows as ranges (start, rows), lowest first, taken from the free list in order."""
+        if n > self.free_rows:
+            raise ValueError(f"{n} rows asked, {self.free_rows} free")
+        out = []
+        while n > 0:
+            start, length = self._free[0]
+            take = min(n, length)
+            if take == length:
+                self._free.pop(0)
+            else:
+                self._free[0] = (start + take, length - take)
+            out.append((start, take))
+            n -= take
+        return out
+
     def free(self, start: int, n: int) -> None:
         """Returns rows [start, start + n) to the allocator, merging neighbours."""
         i = bisect.bisect_left(self._free, (start, 0))

@@ -355,11 +355,14 @@ def test_gpu_memory_share_fills_the_card_to_its_share():
     small = _engine("llama3", kv_tier="pool")
     big = _engine("llama3", kv_tier="pool", gpu_memory_share=share)
     free_after, _ = torch.cuda.mem_get_info()
-    in_use = (total - free_after) + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    # the engine's own reading: what the caching allocator holds unused (temporaries of the engine's construction
+    # after its pool was made) is free to the next allocation
+    in_use = total - free_after - (torch.cuda.memory_reserved() - torch.cuda.memory_allocated())
     pool = big.store.memory.pool
     assert pool.k.numel() * pool.k.element_size() * 2 > (1 << 30)  # grown well past the 256 MiB budget
-    # the small engine was made before the big one, so it counts against the share; at most one reading's slack
-    assert abs((total - free_after) - share * total) < (512 << 20), (total - free_after, share * total, in_use)
+    # the small engine was made before the big one, so it counts against the share; the big engine's allocations
+    # after its pool (prefix, tables) are small
+    assert abs(in_use - share * total) < (256 << 20), (in_use, share * total, total - free_after)
     kw = dict(strategy="infoflow", recompute_ratio=0.3, max_new_tokens=6)
     assert big.generate(QUESTION, DOCS, **kw).token_ids == small.generate(QUESTION, DOCS, **kw).token_ids
     del big, pool

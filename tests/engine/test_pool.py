@@ -177,3 +177,55 @@ def test_a_bad_gpu_memory_share_is_refused(share):
 
     with pytest.raises(ValueError, match="gpu_memory_share"):
         EngineConfig(gpu_memory_share=share)
+
+
+def test_a_slab_is_one_range_when_it_can_be_and_scattered_when_not():
+    from kvfuse.engine.decode import Arena, Slab
+
+    pool = KVPool(1, 1, 4, doc_rows=40, scratch_rows=4, dtype=torch.float32, device="cpu")
+    evicted = []
+    arena = Arena(pool, evict=lambda: evicted.append(1) and False)  # nothing to evict
+    parts = [pool.alloc(5) for _ in range(7)]  # rows 1-35 (the dummy row is 0), 4 free at the end
+    for start in parts[::2]:
+        pool.free(start, 5)  # holes of 5 rows: 4 of them, and the 4 at the end
+    assert pool.free_rows == 24
+    one = arena.alloc(5)
+    assert one.ranges == ((1, 5),)
+    slab = arena.alloc(12)  # no hole that long: three ranges, nothing evicted
+    assert slab.size == 12 and len(slab.ranges) == 3 and not evicted
+    assert slab.rows("cpu").tolist() == [*range(11, 16), *range(21, 26), *range(31, 33)]
+    assert arena.alloc(8) is None and evicted  # 7 free in all: eviction asked, nothing freed, refused
+    head, tail = slab.split(7)
+    assert head.rows("cpu").tolist() == slab.rows("cpu")[:7].tolist() and tail.size == 5
+    assert slab.split(0)[0].size == 0 and slab.split(12)[1] == Slab(())
+    arena.free(slab)
+    arena.free(one)
+    assert pool.free_rows == 24
+
+
+def test_a_fragmented_arena_still_serves_a_long_request(tiny_engine):
+    """Free rows scattered in holes shorter than the prompt: the request takes several ranges (before, it needed one
+    contiguous range and failed, or evicted documents to make one) and answers as an unfragmented engine does."""
+    plain = tiny_engine("qwen2", kv_tier="pool", memory_budget_bytes=1 << 20, scratch_tokens=512)
+    frag = tiny_engine("qwen2", kv_tier="pool", memory_budget_bytes=1 << 20, scratch_tokens=512)
+    pool = frag.decoding.arena.pool
+    kw = dict(strategy="cacheblend", recompute_ratio=0.3, max_new_tokens=6)
+    frag.precompute(DOCS)
+    n = frag.layout(QUESTION, DOCS).n
+    taken = []
+    while True:  # fill the arena with blocks of 16 rows, then free every other one: no hole of n rows is left
+        start = pool.alloc(16)
+        if start is None:
+            break
+        taken.append(start)
+    for start in taken[::2]:
+        pool.free(start, 16)
+    assert pool.alloc(n) is None and pool.free_rows > n + 6
+    docs_before = len(frag.store.memory)
+    a, b = plain.generate(QUESTION, DOCS, **kw), frag.generate(QUESTION, DOCS, **kw)
+    assert a.token_ids == b.token_ids and b.cache_hits == len(DOCS)
+    assert len(frag.store.memory) == docs_before  # no document evicted to make room
+    free = pool.free_rows
+    for start in taken[1::2]:
+        pool.free(start, 16)
+    assert pool.free_rows == free + 16 * len(taken[1::2])  # the request gave its rows back
