@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor
+from torch.nn.attention.bias import causal_lower_right
 
 from ..kernels.causal import head_major_sdpa, token_major_sdpa
 from ..kernels.rope import apply_rope
@@ -96,6 +97,9 @@ def _one_pass(runner, prefix: DocKV, docs: list[Sequence[int]], batched: bool | 
     # real row of their document, so no real row sees one; pad rows are computed and dropped.
     key = torch.arange(p + width, device=dev)
     mask = key[None, :] <= (p + j.to(dev))[:, None]                            # [W, P + W]
+    # the padded call: the same rule is causal attention aligned to the last key (lower right), which the fused CUDA
+    # kernels take as such (torch's CausalBias), with no mask tensor to expand over the batch and heads
+    bottom_right = causal_lower_right(width, p + width)
     spans = list(zip(starts.tolist(), lens.tolist()))
     h = dec.embed_tokens(ids)
     ks, vs = [], []
@@ -110,7 +114,7 @@ def _one_pass(runner, prefix: DocKV, docs: list[Sequence[int]], batched: bool | 
             heads = lambda x: x[flat].transpose(1, 2)                          # noqa: E731  [B, H, W, D]
             keys = torch.cat([pk.transpose(0, 1)[None].expand(b, -1, -1, -1), heads(kr)], dim=2)
             vals = torch.cat([pv.transpose(0, 1)[None].expand(b, -1, -1, -1), heads(v)], dim=2)
-            o = head_major_sdpa(heads(qr), keys, vals, spec.scale, attn_mask=mask)  # [B, Hq, W, D]
+            o = head_major_sdpa(heads(qr), keys, vals, spec.scale, attn_mask=bottom_right)  # [B, Hq, W, D]
             o = o.transpose(1, 2)[real]                                        # [T, Hq, D], flat row order
         else:  # one call per document, at its own length
             o = torch.cat([token_major_sdpa(qr[a:a + n], torch.cat([pk, kr[a:a + n]]), torch.cat([pv, v[a:a + n]]),
