@@ -37,7 +37,7 @@ from .runner import Runner, Segment
 from .store import CorruptEntry, DocKV, DocStore, Namespace, content_key
 from .store.pool import KVPool, share_rows
 from .decode import decode_rows, request_rows, sized_rows
-from .docpass import CUDA_PASS_TOKENS, documents_pass
+from .docpass import documents_pass
 from .types import Document
 
 __all__ = ["DocumentCache", "Piece"]
@@ -132,10 +132,7 @@ class DocumentCache:
     def compute_many(self, docs: Sequence[Sequence[int]]) -> list[DocKV]:
         """Each of `docs` prefilled alone after the prefix, all in as few passes as fit (engine/docpass.py); stores
         nothing. Returns: one pre-RoPE DocKV per document, in order."""
-        rows = self.config.document_pass_tokens
-        if rows is None:
-            rows = CUDA_PASS_TOKENS if self.device.type == "cuda" else 0
-        return documents_pass(self.doc_runner, self.prefix_kv(), docs, max_tokens=rows or 1)
+        return documents_pass(self.doc_runner, self.prefix_kv(), docs, max_tokens=self.config.document_pass_tokens or 1)
 
     # -- serving -----------------------------------------------------------------------------------------------
     def kvs(self, docs: Sequence[Document], strategy: Strategy | None = None,

@@ -26,10 +26,7 @@ from ..kernels.causal import head_major_sdpa, token_major_sdpa
 from ..kernels.rope import apply_rope
 from .store.entry import DocKV
 
-__all__ = ["CUDA_PASS_TOKENS", "documents_pass", "pack"]
-
-#: rows of one pass by default on CUDA (EngineConfig.document_pass_tokens)
-CUDA_PASS_TOKENS = 8192
+__all__ = ["documents_pass", "pack"]
 
 
 def pack(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:

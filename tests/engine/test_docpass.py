@@ -73,7 +73,7 @@ def test_an_empty_document_is_refused(tiny_engine):
 
 def test_a_cold_request_computes_its_documents_in_one_pass(tiny_engine, monkeypatch):
     """Every missing document of a request goes through one documents pass (a repeated one computed once), and the
-    answer is the one-document-per-pass engine's (the CPU's default)."""
+    answer is the one-document-per-pass engine's (the default)."""
     from kvfuse.engine import doccache
 
     passes = []
@@ -101,8 +101,8 @@ def test_document_pass_tokens_is_checked():
             EngineConfig(document_pass_tokens=bad)
 
 
-def test_the_cpu_default_is_one_document_per_pass_bit_for_bit(tiny_engine):
-    """document_pass_tokens=None on the CPU: each document its own pass, so a cache is the per-document prefill's
+def test_the_default_is_one_document_per_pass_bit_for_bit(tiny_engine):
+    """document_pass_tokens=0 (the default): each document its own pass, so a cache is the per-document prefill's
     bit for bit whatever else was computed with it (the reliability suite's exact comparisons rest on it)."""
     engine = tiny_engine("qwen3")
     ids = _docs(engine, n_extra=2)

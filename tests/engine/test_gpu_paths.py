@@ -372,14 +372,14 @@ def test_gpu_memory_share_fills_the_card_to_its_share():
 
 @pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3"])
 def test_documents_pass_on_cuda_matches_one_prefill_per_document(family):
-    """CUDA's default documents pass (padded attention, all new documents in one pass) gives each document the cache
-    the runner's own one-document prefill gives, up to bf16 rounding, and a cold request the same answer."""
+    """The documents pass on CUDA (padded attention, all new documents in one pass) gives each document the cache the
+    runner's own one-document prefill gives, up to bf16 rounding, and a cold request the same answer."""
     from kvfuse.engine.docpass import documents_pass
     from kvfuse.engine.fusion.reuse import Reuse
     from kvfuse.engine.types import Document
 
-    batched = _engine(family, kv_tier="pool")
-    alone = _engine(family, kv_tier="pool", document_pass_tokens=0)
+    batched = _engine(family, kv_tier="pool", document_pass_tokens=8192)
+    alone = _engine(family, kv_tier="pool")
     dc = batched.doc_cache
     texts = [t for _, t in DOCS] + ["Short.", "The river Dunmore floods every spring; " * 6]
     ids = [batched.prompts.encode_document(Document(f"d{i}", t)) for i, t in enumerate(texts)]
