@@ -20,7 +20,6 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor
-from torch.nn.attention.bias import causal_lower_right
 
 from ..kernels.causal import head_major_sdpa, token_major_sdpa
 from ..kernels.rope import apply_rope
@@ -96,7 +95,7 @@ def _one_pass(runner, prefix: DocKV, docs: list[Sequence[int]], batched: bool | 
     mask = key[None, :] <= (p + j.to(dev))[:, None]                            # [W, P + W]
     # the padded call: the same rule is causal attention aligned to the last key (lower right), which the fused CUDA
     # kernels take as such (torch's CausalBias), with no mask tensor to expand over the batch and heads
-    bottom_right = causal_lower_right(width, p + width)
+    bottom_right = _lower_right(width, p + width) if padded else None
     spans = list(zip(starts.tolist(), lens.tolist()))
     h = dec.embed_tokens(ids)
     ks, vs = [], []
@@ -120,3 +119,12 @@ def _one_pass(runner, prefix: DocKV, docs: list[Sequence[int]], batched: bool | 
     k_all, v_all = torch.stack(ks), torch.stack(vs)                            # [n_layers, T, Hkv, D]
     edges = [*starts.tolist(), int(lens.sum())]
     return [DocKV(k_all[:, a:e].clone(), v_all[:, a:e].clone()) for a, e in zip(edges, edges[1:])]
+
+
+def _lower_right(n_queries: int, n_keys: int):
+    """torch's lower-right causal bias. Imported here, not at module import: torch.nn.attention.bias imports triton,
+    and importing triton before TRITON_INTERPRET is set (the kernel tests set it on CPU-only machines) fixes its
+    built-in functions as compiled ones for the whole process."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    return causal_lower_right(n_queries, n_keys)

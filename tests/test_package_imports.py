@@ -69,3 +69,13 @@ def test_the_pypi_kernels_package_is_not_shadowed_by_the_repository_folder():
     bare = subprocess.run([sys.executable, "-c", probe.format(root=str(root), pre="")],
                           capture_output=True, text=True, check=True, cwd=root).stdout.split()
     assert Path(bare[0]).resolve() == (root / "kernels" / "__init__.py").resolve()
+
+
+def test_importing_the_engine_does_not_import_triton():
+    """Triton fixes its built-ins as compiled or interpreted when it is first imported: an engine import that pulled
+    it in (torch.nn.attention.bias does) before TRITON_INTERPRET is set broke every interpreted kernel test run after
+    it in the same process. Kernels import it when first used."""
+    code = ("import sys, kvfuse.engine.api, kvfuse.engine.docpass, kvfuse.engine.runner, kvfuse.engine.doccache; "
+            "print('triton' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "False"
