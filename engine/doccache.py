@@ -132,7 +132,9 @@ class DocumentCache:
     def compute_many(self, docs: Sequence[Sequence[int]]) -> list[DocKV]:
         """Each of `docs` prefilled alone after the prefix, all in as few passes as fit (engine/docpass.py); stores
         nothing. Returns: one pre-RoPE DocKV per document, in order."""
-        return documents_pass(self.doc_runner, self.prefix_kv(), docs, max_tokens=self.config.document_pass_tokens or 1)
+        with torch.inference_mode():
+            return documents_pass(self.doc_runner.dec, self.doc_runner.rope, self.prefix_kv(), docs,
+                                  max_tokens=self.config.document_pass_tokens or 1)
 
     # -- serving -----------------------------------------------------------------------------------------------
     def kvs(self, docs: Sequence[Document], strategy: Strategy | None = None,

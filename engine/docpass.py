@@ -44,14 +44,15 @@ def pack(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
     return passes
 
 
-@torch.inference_mode()
-def documents_pass(runner, prefix: DocKV, docs: Sequence[Sequence[int]], max_tokens: int = 8192, *,
+def documents_pass(dec, rope, prefix: DocKV, docs: Sequence[Sequence[int]], max_tokens: int = 8192, *,
                    batched: bool | None = None) -> list[DocKV]:
-    """Each document's cache, computed after `prefix` as if alone, packed into as few passes as fit.
+    """Each document's cache, computed after `prefix` as if alone, packed into as few passes as fit. Runs under the
+    caller's autograd mode (the engine's in inference mode; adapter training differentiates through it).
 
     Args:
-        runner: the Runner whose decoder computes the documents (the engine's document runner: with an offline
-            fusion adapter, the adapted model).
+        dec: the decoder that computes the documents (the engine's document runner's: with an offline fusion
+            adapter, the adapted model).
+        rope: n -> (cos, sin) tables covering positions [0, n) (`Runner.rope`).
         prefix: the prefix's cache: [n_layers, P, n_kv_heads, head_dim] pre-RoPE K and V, positions 0 .. P - 1.
         docs: token ids of each document (each non-empty).
         max_tokens: rows per pass.
@@ -63,40 +64,48 @@ def documents_pass(runner, prefix: DocKV, docs: Sequence[Sequence[int]], max_tok
     """
     if any(len(d) == 0 for d in docs):
         raise ValueError("every document needs at least one token")
+    if not docs:
+        return []
+    dev, p = dec.device, int(prefix.k.shape[1])
+    cos, sin = rope(p + max(len(d) for d in docs))
+    # the prefix's keys rotated once for every pass: [n_layers] of [P, Hkv, D]
+    prefix_k = [apply_rope(prefix.k[i].to(dev), cos[:p], sin[:p]) for i in range(dec.spec.n_layers)]
+    prefix_v = [prefix.v[i].to(dev) for i in range(dec.spec.n_layers)]
+    padded = batched if batched is not None else dev.type == "cuda"
     out: list[DocKV | None] = [None] * len(docs)
     order = sorted(range(len(docs)), key=lambda i: len(docs[i]))  # passes of like lengths: little padding
     for group in pack([len(docs[i]) for i in order], max_tokens):
         members = [order[g] for g in group]
-        for i, kv in zip(members, _one_pass(runner, prefix, [docs[i] for i in members], batched), strict=True):
+        kvs = _one_pass(dec, (cos, sin), prefix_k, prefix_v, [docs[i] for i in members], padded)
+        for i, kv in zip(members, kvs, strict=True):
             out[i] = kv
     return out
 
 
-def _one_pass(runner, prefix: DocKV, docs: list[Sequence[int]], batched: bool | None) -> list[DocKV]:
-    dec, spec = runner.dec, runner.spec
-    dev = dec.device
-    p, b = int(prefix.k.shape[1]), len(docs)
-    padded = batched if batched is not None else dev.type == "cuda"
+def _one_pass(dec, tables, prefix_k: list[Tensor], prefix_v: list[Tensor], docs: list[Sequence[int]],
+              padded: bool) -> list[DocKV]:
+    spec, dev = dec.spec, dec.device
+    cos, sin = tables
+    p, b = int(prefix_k[0].shape[0]), len(docs)
     lens = torch.tensor([len(d) for d in docs])
     width = int(lens.max())
-    cos, sin = runner.rope(p + width)
     ids = torch.tensor([t for d in docs for t in d], dtype=torch.long, device=dev)
     starts = torch.cumsum(lens, 0) - lens
     within = torch.arange(int(lens.sum())) - starts.repeat_interleave(lens)   # [T] row's index in its document
     rope_rows = (cos[p + within.to(dev)], sin[p + within.to(dev)])            # each document after the prefix
-    prefix_rope = (cos[:p], sin[:p])
-    j = torch.arange(width)
-    real = j[None, :] < lens[:, None]                                          # [B, W] a document's rows, then pad
-    flat = torch.where(real, starts[:, None] + j[None, :], 0).to(dev)          # [B, W] its flat row (pad: row 0)
-    real = real.to(dev)
-    # key <= query by position: a row sees the prefix and its document's rows up to itself. Pad keys sit after every
-    # real row of their document, so no real row sees one; pad rows are computed and dropped.
-    key = torch.arange(p + width, device=dev)
-    mask = key[None, :] <= (p + j.to(dev))[:, None]                            # [W, P + W]
-    # the padded call: the same rule is causal attention aligned to the last key (lower right), which the fused CUDA
-    # kernels take as such (torch's CausalBias), with no mask tensor to expand over the batch and heads
-    bottom_right = _lower_right(width, p + width) if padded else None
     spans = list(zip(starts.tolist(), lens.tolist()))
+    # key <= query by position: a row sees the prefix and its document's rows up to itself
+    if not padded:
+        key = torch.arange(p + width, device=dev)
+        mask = key[None, :] <= (p + torch.arange(width, device=dev))[:, None]  # [W, P + W]
+    else:  # a batch row per document, padded to the longest: pad keys sit after every real row of their
+        # document, so no real row sees one; pad rows are computed and dropped. The rule is causal attention aligned
+        # to the last key (lower right), which the fused CUDA kernels take as such (torch's CausalBias)
+        j = torch.arange(width)
+        real = j[None, :] < lens[:, None]                                      # [B, W] a document's rows, then pad
+        flat = torch.where(real, starts[:, None] + j[None, :], 0).to(dev)      # [B, W] its flat row (pad: row 0)
+        real = real.to(dev)
+        bottom_right = _lower_right(width, p + width)
     h = dec.embed_tokens(ids)
     ks, vs = [], []
     for i in range(spec.n_layers):
@@ -104,10 +113,10 @@ def _one_pass(runner, prefix: DocKV, docs: list[Sequence[int]], batched: bool | 
         ks.append(k)
         vs.append(v)
         qr, kr = apply_rope(q, *rope_rows), apply_rope(k, *rope_rows)
-        pk = apply_rope(prefix.k[i].to(dev), *prefix_rope)                     # [P, Hkv, D]
-        pv = prefix.v[i].to(dev)
-        if padded:  # one call for the whole pass
-            heads = lambda x: x[flat].transpose(1, 2)                          # noqa: E731  [B, H, W, D]
+        pk, pv = prefix_k[i], prefix_v[i]
+        if padded:
+            def heads(x):
+                return x[flat].transpose(1, 2)                                 # [B, H, W, D]
             keys = torch.cat([pk.transpose(0, 1)[None].expand(b, -1, -1, -1), heads(kr)], dim=2)
             vals = torch.cat([pv.transpose(0, 1)[None].expand(b, -1, -1, -1), heads(v)], dim=2)
             o = head_major_sdpa(heads(qr), keys, vals, spec.scale, attn_mask=bottom_right)  # [B, Hq, W, D]
@@ -117,8 +126,7 @@ def _one_pass(runner, prefix: DocKV, docs: list[Sequence[int]], batched: bool | 
                                             spec.scale, attn_mask=mask[:n, :p + n]) for a, n in spans])
         h = dec.finish(i, h, o)
     k_all, v_all = torch.stack(ks), torch.stack(vs)                            # [n_layers, T, Hkv, D]
-    edges = [*starts.tolist(), int(lens.sum())]
-    return [DocKV(k_all[:, a:e].clone(), v_all[:, a:e].clone()) for a, e in zip(edges, edges[1:])]
+    return [DocKV(k_all[:, a:a + n].clone(), v_all[:, a:a + n].clone()) for a, n in spans]
 
 
 def _lower_right(n_queries: int, n_keys: int):

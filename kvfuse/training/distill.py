@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..engine.adapter import TARGETS, AdaptedDecoder, FusionAdapter
+from ..engine.docpass import documents_pass
 from ..engine.fusion.select import select_only
 from ..engine.runner import Segment
 from ..engine.store import DocKV
@@ -144,24 +145,15 @@ def student_logprobs(engine, layout, answer: Sequence[int], adapter: FusionAdapt
 
 def document_kv(engine, layout, adapter: FusionAdapter | None) -> list[tuple[list[Tensor], list[Tensor]]]:
     """Each document's per-layer pre-RoPE (K, V), computed alone after the prefix's cache (the offline pass; an
-    online adapter does not act here)."""
+    online adapter does not act here): the engine's own documents pass (engine/docpass.py), all in one pass,
+    differentiable in an offline adapter."""
     offline = adapter is not None and adapter.stage == "offline"
     dec = AdaptedDecoder(engine.decoder, adapter) if offline else engine.decoder
-    prefix = engine.doc_cache.prefix_kv()
-    p = layout.prefix.end - layout.prefix.start
-    ctx = (list(prefix.k), list(prefix.v), torch.arange(p, device=engine.device))
     if not layout.doc_ids:
         return []
-    lens = [len(x) for x in layout.doc_ids]
-    cos, sin = engine.runner.rope(p + max(lens))
-    # every document in one pass (each attends to the prefix and to itself): one launch sequence, not one per doc
-    ids = torch.as_tensor([t for x in layout.doc_ids for t in x], dtype=torch.long, device=engine.device)
-    pos = torch.cat([torch.arange(p, p + n) for n in lens]).to(engine.device)
-    groups = torch.repeat_interleave(torch.arange(len(lens)), torch.as_tensor(lens)).to(engine.device)
-    _, ks, vs = forward_rows(dec, ids, pos, cos, sin, ctx, groups=groups)
-    per_k = list(zip(*[k.split(lens) for k in ks]))
-    per_v = list(zip(*[v.split(lens) for v in vs]))
-    return [(list(k), list(v)) for k, v in zip(per_k, per_v)]
+    kvs = documents_pass(dec, engine.runner.rope, engine.doc_cache.prefix_kv(), layout.doc_ids,
+                         max_tokens=sum(len(x) for x in layout.doc_ids))
+    return [(list(kv.k.unbind(0)), list(kv.v.unbind(0))) for kv in kvs]
 
 
 def strategy_selection(engine, layout, doc_kv, strategy: str, ratio: float, runner=None,

@@ -19,6 +19,12 @@ def _alone(engine, ids):
     return dc.doc_runner.prefill(full, segs, Reuse(), 0.0, capture=(n - len(ids), n), want_logits=False).captured
 
 
+def _seam(engine):
+    """(decoder, rope tables, prefix cache): what a documents pass computes with, as the engine calls it."""
+    dc = engine.doc_cache
+    return dc.doc_runner.dec, dc.doc_runner.rope, dc.prefix_kv()
+
+
 def _docs(engine, n_extra=0):
     texts = [t for _, t in DOCS] + ["Short.", "A" * 3, "The river Dunmore floods every spring; " * 6][:n_extra]
     return [engine.prompts.encode_document(Document(f"d{i}", t)) for i, t in enumerate(texts)]
@@ -30,7 +36,7 @@ def test_a_pass_gives_each_document_its_own_prefill(tiny_engine, family, batched
     engine = tiny_engine(family)
     ids = _docs(engine, n_extra=3)  # lengths from 1-2 tokens to ~60: padding inside the pass
     assert len({len(x) for x in ids}) > 3
-    got = documents_pass(engine.doc_cache.doc_runner, engine.doc_cache.prefix_kv(), ids, batched=batched)
+    got = documents_pass(*_seam(engine), ids, batched=batched)
     for x, kv in zip(ids, got, strict=True):
         ref = _alone(engine, x)
         assert kv.k.shape == ref.k.shape == (engine.decoder.spec.n_layers, len(x), *ref.k.shape[2:])
@@ -45,9 +51,9 @@ def test_no_document_sees_another_and_passes_split_anywhere(tiny_engine, batched
     engine = tiny_engine("llama3")
     dc = engine.doc_cache
     ids = _docs(engine, n_extra=3)
-    one = documents_pass(dc.doc_runner, dc.prefix_kv(), ids, batched=batched)
-    split = documents_pass(dc.doc_runner, dc.prefix_kv(), ids, max_tokens=20, batched=batched)  # a long one alone
-    mates = documents_pass(dc.doc_runner, dc.prefix_kv(), [ids[1], ids[4], ids[0]], batched=batched)
+    one = documents_pass(*_seam(engine), ids, batched=batched)
+    split = documents_pass(*_seam(engine), ids, max_tokens=20, batched=batched)  # a long one alone
+    mates = documents_pass(*_seam(engine), [ids[1], ids[4], ids[0]], batched=batched)
     for a, b in zip(one, split, strict=True):
         torch.testing.assert_close(a.k, b.k, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(mates[2].k, one[0].k, rtol=1e-4, atol=1e-4)
@@ -68,7 +74,7 @@ def test_pack_keeps_passes_within_their_rows():
 def test_an_empty_document_is_refused(tiny_engine):
     engine = tiny_engine("llama")
     with pytest.raises(ValueError, match="at least one token"):
-        documents_pass(engine.doc_cache.doc_runner, engine.doc_cache.prefix_kv(), [[1, 2], []])
+        documents_pass(*_seam(engine), [[1, 2], []])
 
 
 def test_a_cold_request_computes_its_documents_in_one_pass(tiny_engine, monkeypatch):
@@ -78,7 +84,8 @@ def test_a_cold_request_computes_its_documents_in_one_pass(tiny_engine, monkeypa
 
     passes = []
     real = doccache.documents_pass
-    monkeypatch.setattr(doccache, "documents_pass", lambda r, p, docs, **k: passes.append(len(docs)) or real(r, p, docs, **k))
+    monkeypatch.setattr(doccache, "documents_pass",
+                        lambda d, r, p, docs, **k: passes.append(len(docs)) or real(d, r, p, docs, **k))
     batched = tiny_engine("qwen2", document_pass_tokens=8192)
     docs = [*DOCS, DOCS[0]]
     a = batched.generate(QUESTION, docs, strategy="cacheblend", recompute_ratio=0.3, max_new_tokens=6)

@@ -383,7 +383,7 @@ def test_documents_pass_on_cuda_matches_one_prefill_per_document(family):
     dc = batched.doc_cache
     texts = [t for _, t in DOCS] + ["Short.", "The river Dunmore floods every spring; " * 6]
     ids = [batched.prompts.encode_document(Document(f"d{i}", t)) for i, t in enumerate(texts)]
-    got = documents_pass(dc.doc_runner, dc.prefix_kv(), ids)
+    got = documents_pass(dc.doc_runner.dec, dc.doc_runner.rope, dc.prefix_kv(), ids)
     for x, kv in zip(ids, got, strict=True):
         full, segs = dc.after_prefix([(x, None)])
         n = int(full.numel())
