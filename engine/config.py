@@ -104,9 +104,10 @@ class EngineConfig:
             GEMM per weight for all of them instead of one prefill each (on CUDA with one padded attention call per
             layer). 0 (the default): one document per pass, so a document's cache never depends on which others were
             computed beside it, or on the thread count, bit for bit (batched, the GEMMs' rounding over another row
-            count can move a value by an ulp). On the CPU the pass saved 6-35% of the documents' compute; on CUDA,
-            where one prefill per document pays every layer's launches and weight reads again, it is expected to
-            save more but has not been measured yet (benchmarks/cold_documents.py), so it is opt-in there too.
+            count can move a value by an ulp). On the CPU the pass took 1.16x a full prefill's time for a hotpotqa
+            example's 10 passages against 2.26x one per pass, and saved 6% on long random documents; on CUDA, where
+            one prefill per document pays every layer's launches and weight reads again, it is expected to save more
+            but has not been measured yet (benchmarks/cold_documents.py times both), so it is opt-in there too.
         gpu_memory_share: with the pool tier on a GPU, size the documents' rows instead so that the whole device is
             this share of its memory in use once the pool is made (vLLM's gpu_memory_utilization): everything held
             when the engine is built (its weights, other processes) counts, and the rest beyond the pool stays free

@@ -3,7 +3,8 @@
 A document's cache is its rows' pre-RoPE K/V when it is prefilled alone after the prompt prefix (positions P ..
 P + L - 1, attending to the prefix and to itself). Computing the documents of a request, or of a precompute slice,
 one prefill each reads every weight once per document and, on a GPU, launches every layer's kernels once per
-document: for ten 150-token passages on the embedded model that cost 2.5x one full prefill of the whole prompt.
+document: for a hotpotqa example's ten passages on the embedded model (with its offline adapter) that cost 2.26x
+one full prefill of the whole prompt, one pass 1.16x (CPU; `benchmarks/cold_documents.py --real`).
 
 Here the documents' rows are packed into one row set and run through each layer together: the projections and the
 MLP are one GEMM over all of them; the attention is per document (on CUDA one batched call, a batch row per
