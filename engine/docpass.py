@@ -8,8 +8,8 @@ one full prefill of the whole prompt, one pass 1.16x (CPU; `benchmarks/cold_docu
 
 Here the documents' rows are packed into one row set and run through each layer together: the projections and the
 MLP are one GEMM over all of them; the attention is per document (on CUDA one batched call, a batch row per
-document padded to the longest; elsewhere one call each), its queries against the prefix's keys and its own, causal by position (``key position <= query
-position``), so no document sees another. Documents are sorted by length (less padding) and packed into passes of
+document padded to the longest; elsewhere one call each), its queries against the prefix's keys and its own,
+causal by position (``key position <= query position``), so no document sees another. Documents are sorted by length (less padding) and packed into passes of
 at most `max_tokens` rows (a longer document is a pass of its own).
 
 What it gives equals the one-document prefill's cache up to the rounding of GEMMs over a different row count
