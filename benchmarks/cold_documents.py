@@ -11,7 +11,9 @@ one-per-pass.
     python benchmarks/cold_documents.py --device cpu --shapes qwen05b --contexts 2048   # slow, ratios only
 
 `--real FILE` instead: the embedded model's real weights on a dev set's examples (their passages as the new
-documents): each example's documents computed one per pass and in one pass, beside a full prefill of its prompt.
+documents): each example's documents computed one per pass and in one pass, beside a full prefill of its prompt,
+and (with the shipped offline adapter) in one pass through the adapter unmerged (training's form, the engine's before
+it merged the weights for its documents).
 
     python benchmarks/cold_documents.py --device cpu --real ../shared/data/hotpotqa.migres.jsonl --examples 5
 """
@@ -40,6 +42,7 @@ def main() -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--real", default=None, help="a dev JSONL file: real weights, its examples' passages")
     ap.add_argument("--examples", type=int, default=5)
+    ap.add_argument("--model", default="qwen2.5-coder-0.5b", help="with --real: a registry name, GGUF or HF folder")
     args = ap.parse_args()
     if args.real:
         return real(args)
@@ -105,23 +108,27 @@ def real(args) -> int:
     import json
 
     from kvfuse import FusionEngine
+    from kvfuse.engine.adapter import AdaptedDecoder
+    from kvfuse.engine.docpass import documents_pass
     from kvfuse.engine.types import Document
 
-    engine = FusionEngine.from_pretrained("qwen2.5-coder-0.5b", device=args.device, disk_cache=False)
+    engine = FusionEngine.from_pretrained(args.model, device=args.device, disk_cache=False)
     dc = engine.doc_cache
     rows = [json.loads(line) for line in open(args.real, encoding="utf-8")][:args.examples + 1]
+    passes = [("one per pass", dc.doc_runner.dec, 0), ("one pass", dc.doc_runner.dec, 8192)]
+    if engine.adapter is not None and engine.adapter.stage == "offline":  # the engine runs it merged; unmerged beside
+        passes.append(("one pass, adapter unmerged", AdaptedDecoder(engine.decoder, engine.adapter), 8192))
     print({"torch": torch.__version__, "device": args.device, "data": args.real}, flush=True)
     for n, row in enumerate(rows):
         docs = [(p["id"], p["title"] + "\n" + p["text"]) for p in row["passages"]]
         ids = [engine.prompts.encode_document(Document(*d)) for d in docs]
         times = {}
-        for label, tokens in (("one per pass", 0), ("one pass", 8192)):
-            def call(tokens=tokens):
+        for label, dec, tokens in passes:
+            def call(dec=dec, tokens=tokens):
                 _sync(args.device)
                 t0 = time.perf_counter()
                 with torch.inference_mode():
-                    from kvfuse.engine.docpass import documents_pass
-                    documents_pass(dc.doc_runner.dec, dc.doc_runner.rope, dc.prefix_kv(), ids, max_tokens=tokens or 1)
+                    documents_pass(dec, dc.doc_runner.rope, dc.prefix_kv(), ids, max_tokens=tokens or 1)
                 _sync(args.device)
                 return time.perf_counter() - t0
             times[label] = time_call(call, 1, 0 if n else 1)[0]
@@ -134,9 +141,13 @@ def real(args) -> int:
         if n == 0:
             continue  # the first example warms up
         a, b, f = times["one per pass"], times["one pass"], times["full prefill"]
-        print(f"{row['id'][:40]:40s} {len(ids):3d} docs {sum(map(len, ids)):5d} tokens  full prefill {f * 1e3:8.1f} ms"
-              f"  documents: one per pass {a * 1e3:8.1f} ms ({a / f:4.2f}x full)  one pass {b * 1e3:8.1f} ms"
-              f" ({b / f:4.2f}x full)  x{a / b:4.2f} faster", flush=True)
+        line = (f"{row['id'][:40]:40s} {len(ids):3d} docs {sum(map(len, ids)):5d} tokens  full prefill {f * 1e3:8.1f} ms"
+                f"  documents: one per pass {a * 1e3:8.1f} ms ({a / f:4.2f}x full)  one pass {b * 1e3:8.1f} ms"
+                f" ({b / f:4.2f}x full)  x{a / b:4.2f} faster")
+        if "one pass, adapter unmerged" in times:
+            u = times["one pass, adapter unmerged"]
+            line += f"  unmerged adapter {u * 1e3:8.1f} ms ({u / f:4.2f}x full; merged x{u / b:4.2f} faster)"
+        print(line, flush=True)
     engine.close()
     return 0
 

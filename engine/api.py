@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from .auto import Choice, Front, TtftRate, packaged_front
-from .adapter import AdaptedDecoder, FusionAdapter, load_adapter, merge_into, resolve_adapter
+from .adapter import FusionAdapter, load_adapter, merge_into, resolve_adapter
 from .config import EngineConfig, resolve_device, resolve_dtype
 from .diagnose import ContextKV
 from .doccache import DocumentCache
@@ -134,7 +134,9 @@ class FusionEngine:
         # an offline adapter computes the documents (so no cache is exact); fused prefills (strategies that read
         # caches) with an online one run the merged weights; `full`, sift and decoding stay the base model
         self._documents_adapted = adapter is not None and adapter.stage == "offline"
-        doc_runner = (Runner(AdaptedDecoder(self.decoder, adapter), cuda_graphs=False) if self._documents_adapted
+        # (merged weights: W + scale * B @ A computed once, so a document costs what the base model's prefill costs,
+        # not seven more pairs of thin GEMMs per layer; engine/adapter.py's AdaptedDecoder stays training's form)
+        doc_runner = (Runner(merge_into(self.decoder, adapter), cuda_graphs=False) if self._documents_adapted
                       else None)
         self.fused_runner = self.runner if adapter is None or self._documents_adapted else Runner(
             merge_into(self.decoder, adapter), cuda_graphs=self.config.cuda_graphs,

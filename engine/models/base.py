@@ -108,13 +108,17 @@ class _Layer:
         self.w_gu = gu[0] if gu is not None else None
 
     def repack(self, qkv: bool = True, gu: bool = True) -> None:
-        """Rebuilds the packed weights from the separate ones (a copy; the separate names stay as they are)."""
+        """Rebuilds the packed weights from the separate ones after one was replaced; the separate names become views
+        of the new pack again, so the layer keeps one copy of its weights."""
         if qkv and self.wqkv is not None:
             self.wqkv = torch.cat([self.wq, self.wk, self.wv])
+            self.wq, self.wk, self.wv = self.wqkv.split([self.wq.shape[0], self.wk.shape[0], self.wv.shape[0]])
             if self.bqkv is not None:
                 self.bqkv = torch.cat([self.bq, self.bk, self.bv])
+                self.bq, self.bk, self.bv = self.bqkv.split([self.bq.shape[0], self.bk.shape[0], self.bv.shape[0]])
         if gu and self.w_gu is not None:
             self.w_gu = torch.cat([self.w_gate, self.w_up])
+            self.w_gate, self.w_up = self.w_gu.split([self.w_gate.shape[0], self.w_up.shape[0]])
 
 
 _ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu}

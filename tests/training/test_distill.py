@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kvfuse.engine.adapter import AdaptedDecoder, FusionAdapter, load_adapter
+from kvfuse.engine.types import Document
 from kvfuse.training.distill import (TrainConfig, document_kv, student_logprobs, teacher_logprobs,
                                      train_adapter)
 
@@ -202,6 +203,37 @@ def test_merged_weights_compute_what_the_adapter_computes(tiny_engine):
         torch.testing.assert_close(merged.finish(i, h, attn), lora.finish(i, h, attn), atol=1e-4, rtol=1e-4)
         assert not torch.equal(merged.layers[i].wq, engine.decoder.layers[i].wq)
     assert merged.layers[0].ln1 is engine.decoder.layers[0].ln1 and merged.embed is engine.decoder.embed
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_offline_documents_run_merged_weights_with_one_copy_of_them(tiny_engine, family):
+    """The engine computes an offline adapter's documents on merged weights (the base model's cost per row), and
+    their caches are the adapter's (training's unmerged form) to rounding; the merged layers keep one copy of
+    their weights (the separate q/k/v and gate/up names are views of the packs)."""
+    from kvfuse.engine.docpass import documents_pass
+
+    base = tiny_engine(family)
+    ad = _noisy_adapter(base, seed=11, scale=0.2)
+    engine = tiny_engine(family, adapter=ad)
+    dc = engine.doc_cache
+    dec = dc.doc_runner.dec
+    assert not isinstance(dec, AdaptedDecoder) and dec is not engine.decoder
+    for layer, orig in zip(dec.layers, engine.decoder.layers):
+        for name in ("wq", "wk", "wv"):
+            assert getattr(layer, name).untyped_storage().data_ptr() == layer.wqkv.untyped_storage().data_ptr()
+        for name in ("w_gate", "w_up"):
+            assert getattr(layer, name).untyped_storage().data_ptr() == layer.w_gu.untyped_storage().data_ptr()
+        assert not torch.equal(layer.wq, orig.wq)
+    docs = [Document(*d) for d in DOCS]
+    ids = [engine.prompts.encode_document(d) for d in docs]
+    with torch.inference_mode():
+        served = [kv for _, kv in dc.kvs(docs, None, ids)[0]]
+        lora = documents_pass(AdaptedDecoder(engine.decoder, ad), dc.doc_runner.rope, dc.prefix_kv(), ids)
+        plain = documents_pass(engine.decoder, dc.doc_runner.rope, dc.prefix_kv(), ids)
+    for s, want, b in zip(served, lora, plain):
+        torch.testing.assert_close(s.k, want.k, atol=2e-4, rtol=1e-4)
+        torch.testing.assert_close(s.v, want.v, atol=2e-4, rtol=1e-4)
+        assert (s.k - b.k).abs().max() > 1e-2  # the adapter moved the cache: the comparison above can fail
 
 
 def test_online_training_lowers_the_loss_and_the_stage_round_trips(tiny_engine, tmp_path):
