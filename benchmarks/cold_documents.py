@@ -11,9 +11,10 @@ one-per-pass.
     python benchmarks/cold_documents.py --device cpu --shapes qwen05b --contexts 2048   # slow, ratios only
 
 `--real FILE` instead: the embedded model's real weights on a dev set's examples (their passages as the new
-documents): each example's documents computed one per pass and in one pass, beside a full prefill of its prompt,
-and (with the shipped offline adapter) in one pass through the adapter unmerged (training's form, the engine's before
-it merged the weights for its documents).
+documents): each example's documents computed one per pass and in one pass (on the CPU in GEMMs of 256 rows, the
+engine's pass-mate-invariant form, and beside it one GEMM per weight), beside a full prefill of its prompt, and (with
+the shipped offline adapter) in one pass through the adapter unmerged (training's form, the engine's before it merged
+the weights for its documents).
 
     python benchmarks/cold_documents.py --device cpu --real ../shared/data/hotpotqa.migres.jsonl --examples 5
 """
@@ -109,26 +110,30 @@ def real(args) -> int:
 
     from kvfuse import FusionEngine
     from kvfuse.engine.adapter import AdaptedDecoder
+    from kvfuse.engine.doccache import DOCUMENT_CHUNK_ROWS
     from kvfuse.engine.docpass import documents_pass
     from kvfuse.engine.types import Document
 
     engine = FusionEngine.from_pretrained(args.model, device=args.device, disk_cache=False)
     dc = engine.doc_cache
     rows = [json.loads(line) for line in open(args.real, encoding="utf-8")][:args.examples + 1]
-    passes = [("one per pass", dc.doc_runner.dec, 0), ("one pass", dc.doc_runner.dec, 8192)]
+    chunk = DOCUMENT_CHUNK_ROWS if args.device == "cpu" else None  # what the engine runs a pass with here
+    passes = [("one per pass", dc.doc_runner.dec, 0, None), ("one pass", dc.doc_runner.dec, 8192, chunk)]
+    if chunk:
+        passes.append(("one pass, one GEMM", dc.doc_runner.dec, 8192, None))
     if engine.adapter is not None and engine.adapter.stage == "offline":  # the engine runs it merged; unmerged beside
-        passes.append(("one pass, adapter unmerged", AdaptedDecoder(engine.decoder, engine.adapter), 8192))
+        passes.append(("one pass, adapter unmerged", AdaptedDecoder(engine.decoder, engine.adapter), 8192, chunk))
     print({"torch": torch.__version__, "device": args.device, "data": args.real}, flush=True)
     for n, row in enumerate(rows):
         docs = [(p["id"], p["title"] + "\n" + p["text"]) for p in row["passages"]]
         ids = [engine.prompts.encode_document(Document(*d)) for d in docs]
         times = {}
-        for label, dec, tokens in passes:
-            def call(dec=dec, tokens=tokens):
+        for label, dec, tokens, rows in passes:
+            def call(dec=dec, tokens=tokens, rows=rows):
                 _sync(args.device)
                 t0 = time.perf_counter()
                 with torch.inference_mode():
-                    documents_pass(dec, dc.doc_runner.rope, dc.prefix_kv(), ids, max_tokens=tokens or 1)
+                    documents_pass(dec, dc.doc_runner.rope, dc.prefix_kv(), ids, max_tokens=tokens or 1, chunk=rows)
                 _sync(args.device)
                 return time.perf_counter() - t0
             times[label] = time_call(call, 1, 0 if n else 1)[0]
@@ -144,6 +149,9 @@ def real(args) -> int:
         line = (f"{row['id'][:40]:40s} {len(ids):3d} docs {sum(map(len, ids)):5d} tokens  full prefill {f * 1e3:8.1f} ms"
                 f"  documents: one per pass {a * 1e3:8.1f} ms ({a / f:4.2f}x full)  one pass {b * 1e3:8.1f} ms"
                 f" ({b / f:4.2f}x full)  x{a / b:4.2f} faster")
+        if "one pass, one GEMM" in times:
+            w = times["one pass, one GEMM"]
+            line += f"  (one GEMM per weight instead of {chunk}-row chunks: {w * 1e3:8.1f} ms, {w / f:4.2f}x full)"
         if "one pass, adapter unmerged" in times:
             u = times["one pass, adapter unmerged"]
             line += f"  unmerged adapter {u * 1e3:8.1f} ms ({u / f:4.2f}x full; merged x{u / b:4.2f} faster)"

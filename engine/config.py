@@ -102,12 +102,14 @@ class EngineConfig:
         document_pass_tokens: documents without a cache (a request's new documents, a precompute slice) are computed
             together, each after the prefix as if alone, in passes of at most this many rows (engine/docpass.py): one
             GEMM per weight for all of them instead of one prefill each (on CUDA with one padded attention call per
-            layer). 0 (the default): one document per pass, so a document's cache never depends on which others were
-            computed beside it, or on the thread count, bit for bit (batched, the GEMMs' rounding over another row
-            count can move a value by an ulp). On the CPU the pass took 1.16x a full prefill's time for a hotpotqa
-            example's 10 passages against 2.26x one per pass, and saved 6% on long random documents; on CUDA, where
-            one prefill per document pays every layer's launches and weight reads again, it is expected to save more
-            but has not been measured yet (benchmarks/cold_documents.py times both), so it is opt-in there too.
+            layer). 0: one document per pass. None (the default): 8192 on the CPU, 0 on CUDA (the GPU pass has not
+            been measured yet; benchmarks/cold_documents.py times both). On the CPU every pass runs its GEMMs
+            DOCUMENT_CHUNK_ROWS rows at a time (one shape whatever the pass holds), so a document's cache is the same
+            bits whichever documents shared its pass (a GEMM over another row count can round differently): cold and
+            warm requests keep giving bit-identical answers. Measured on the CPU (`benchmarks/cold_documents.py
+            --device cpu --real ../shared/data/hotpotqa.migres.jsonl`): a hotpotqa example's 10 passages took about a
+            full prefill's time in one pass against 1.5-1.7x one per pass. On CUDA a pass's caches move with its
+            pass-mates by an ulp.
         gpu_memory_share: with the pool tier on a GPU, size the documents' rows instead so that the whole device is
             this share of its memory in use once the pool is made (vLLM's gpu_memory_utilization): everything held
             when the engine is built (its weights, other processes) counts, and the rest beyond the pool stays free
@@ -182,7 +184,7 @@ class EngineConfig:
 
     memory_budget_bytes: int = 4 << 30
     gpu_memory_share: float | None = None
-    document_pass_tokens: int = 0
+    document_pass_tokens: int | None = None
     disk_cache_dir: Path | None = None
     disk_budget_bytes: int = 20 << 30
     prompt: PromptFormat = field(default_factory=PromptFormat)
@@ -223,9 +225,10 @@ class EngineConfig:
             raise ValueError(f"kv_tier must be 'auto', 'pool' or 'host', got {self.kv_tier!r}")
         if self.memory_budget_bytes < 0 or self.disk_budget_bytes < 0 or self.id_index_bytes < 0:
             raise ValueError("cache budgets must be >= 0 bytes")
-        if isinstance(self.document_pass_tokens, bool) or not isinstance(self.document_pass_tokens, int) \
-                or self.document_pass_tokens < 0:
-            raise ValueError(f"document_pass_tokens must be an int >= 0, got {self.document_pass_tokens!r}")
+        if self.document_pass_tokens is not None and (
+                isinstance(self.document_pass_tokens, bool) or not isinstance(self.document_pass_tokens, int)
+                or self.document_pass_tokens < 0):
+            raise ValueError(f"document_pass_tokens must be None or an int >= 0, got {self.document_pass_tokens!r}")
         if self.gpu_memory_share is not None and (isinstance(self.gpu_memory_share, bool)
                                                   or not isinstance(self.gpu_memory_share, (int, float))
                                                   or not 0.0 < self.gpu_memory_share <= 1.0):

@@ -46,7 +46,7 @@ def pack(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
 
 
 def documents_pass(dec, rope, prefix: DocKV, docs: Sequence[Sequence[int]], max_tokens: int = 8192, *,
-                   batched: bool | None = None) -> list[DocKV]:
+                   batched: bool | None = None, chunk: int | None = None) -> list[DocKV]:
     """Each document's cache, computed after `prefix` as if alone, packed into as few passes as fit. Runs under the
     caller's autograd mode (the engine's in inference mode; adapter training differentiates through it).
 
@@ -60,6 +60,13 @@ def documents_pass(dec, rope, prefix: DocKV, docs: Sequence[Sequence[int]], max_
         batched: the attention of a pass as one padded call (True) or one call per document at its own length
             (False); None: padded on CUDA, where one call per document per layer costs more in launches than the
             padding costs, per document elsewhere (the CPU pays for the padding's work).
+        chunk: rows of every projection and MLP call: the pass's rows are padded to a multiple of it and run through
+            each weight `chunk` rows at a time, so every GEMM has the same shape whatever the pass holds. A GEMM of
+            one shape computes a row the same wherever it sits and whatever its neighbours are (measured on the
+            CPU's bf16 and fp32 GEMMs; another row count can round differently), so with a chunk and per-document
+            attention a document's cache does not depend, bit for bit, on which documents share its pass or
+            where it sits in it. None: one call over the whole pass (fastest; a cache then moves with its
+            pass-mates by an ulp).
     Returns:
         one DocKV per document, in order: [n_layers, L, n_kv_heads, head_dim] pre-RoPE K and V.
     """
@@ -77,22 +84,24 @@ def documents_pass(dec, rope, prefix: DocKV, docs: Sequence[Sequence[int]], max_
     order = sorted(range(len(docs)), key=lambda i: len(docs[i]))  # passes of like lengths: little padding
     for group in pack([len(docs[i]) for i in order], max_tokens):
         members = [order[g] for g in group]
-        kvs = _one_pass(dec, (cos, sin), prefix_k, prefix_v, [docs[i] for i in members], padded)
+        kvs = _one_pass(dec, (cos, sin), prefix_k, prefix_v, [docs[i] for i in members], padded, chunk)
         for i, kv in zip(members, kvs, strict=True):
             out[i] = kv
     return out
 
 
 def _one_pass(dec, tables, prefix_k: list[Tensor], prefix_v: list[Tensor], docs: list[Sequence[int]],
-              padded: bool) -> list[DocKV]:
+              padded: bool, chunk: int | None = None) -> list[DocKV]:
     spec, dev = dec.spec, dec.device
     cos, sin = tables
     p, b = int(prefix_k[0].shape[0]), len(docs)
     lens = torch.tensor([len(d) for d in docs])
     width = int(lens.max())
-    ids = torch.tensor([t for d in docs for t in d], dtype=torch.long, device=dev)
+    n_rows = int(lens.sum())
+    pad = 0 if chunk is None else -n_rows % chunk  # rows computed and dropped, so every chunk is full
+    ids = torch.tensor([t for d in docs for t in d] + [0] * pad, dtype=torch.long, device=dev)
     starts = torch.cumsum(lens, 0) - lens
-    within = torch.arange(int(lens.sum())) - starts.repeat_interleave(lens)   # [T] row's index in its document
+    within = torch.arange(n_rows) - starts.repeat_interleave(lens)            # [T] row's index in its document
     rope_rows = (cos[p + within.to(dev)], sin[p + within.to(dev)])            # each document after the prefix
     spans = list(zip(starts.tolist(), lens.tolist()))
     # key <= query by position: a row sees the prefix and its document's rows up to itself
@@ -110,7 +119,7 @@ def _one_pass(dec, tables, prefix_k: list[Tensor], prefix_v: list[Tensor], docs:
     h = dec.embed_tokens(ids)
     ks, vs = [], []
     for i in range(spec.n_layers):
-        q, k, v = dec.project(i, h)                                            # [T, H, D], K/V pre-RoPE
+        q, k, v = (t[:n_rows] for t in _by_chunk(lambda x: dec.project(i, x), chunk, h))  # [T, H, D] pre-RoPE
         ks.append(k)
         vs.append(v)
         qr, kr = apply_rope(q, *rope_rows), apply_rope(k, *rope_rows)
@@ -125,9 +134,22 @@ def _one_pass(dec, tables, prefix_k: list[Tensor], prefix_v: list[Tensor], docs:
         else:  # one call per document, at its own length
             o = torch.cat([token_major_sdpa(qr[a:a + n], torch.cat([pk, kr[a:a + n]]), torch.cat([pv, v[a:a + n]]),
                                             spec.scale, attn_mask=mask[:n, :p + n]) for a, n in spans])
-        h = dec.finish(i, h, o)
+        if pad:
+            o = torch.cat([o, o.new_zeros(pad, *o.shape[1:])])
+        h = _by_chunk(lambda x, a: dec.finish(i, x, a), chunk, h, o)
     k_all, v_all = torch.stack(ks), torch.stack(vs)                            # [n_layers, T, Hkv, D]
     return [DocKV(k_all[:, a:a + n].clone(), v_all[:, a:a + n].clone()) for a, n in spans]
+
+
+def _by_chunk(fn, chunk: int | None, *xs: Tensor):
+    """fn over the rows of `xs` (each a multiple of `chunk` rows), `chunk` rows per call, outputs concatenated;
+    one call when `chunk` is None."""
+    if chunk is None or xs[0].shape[0] == chunk:
+        return fn(*xs)
+    outs = [fn(*(x[a:a + chunk] for x in xs)) for a in range(0, xs[0].shape[0], chunk)]
+    if isinstance(outs[0], tuple):
+        return tuple(torch.cat(parts) for parts in zip(*outs, strict=True))
+    return torch.cat(outs)
 
 
 def _lower_right(n_queries: int, n_keys: int):

@@ -24,11 +24,10 @@ def test_hit_miss_accounting_and_any_order_subset_repeat(tiny_engine):
     assert stats["hits"] >= 8 and stats["misses"] == 3
 
 
-@pytest.mark.parametrize("pass_tokens, atol", [(0, 0.0), (8192, 1e-4)])
-def test_changed_document_under_same_id_is_recomputed_not_served_stale(tiny_engine, pass_tokens, atol):
-    """One document per pass (document_pass_tokens=0): the recomputed cache is a fresh engine's bit for bit. Batched
-    (the default), the fresh engine computes the three documents in one pass and this one the changed document alone:
-    the same up to the GEMMs' rounding (a stale cache would be another text's, far off)."""
+@pytest.mark.parametrize("pass_tokens", [None, 0, 8192])
+def test_changed_document_under_same_id_is_recomputed_not_served_stale(tiny_engine, pass_tokens):
+    """The recomputed cache is a fresh engine's bit for bit, also when the fresh engine computes the three documents
+    in one pass and this one the changed document alone (the CPU's documents pass runs its GEMMs at one shape)."""
     engine = tiny_engine("llama", document_pass_tokens=pass_tokens)
     engine.precompute(DOCS)
     changed = [DOCS[0], (DOCS[1][0], "The Quillon Lantern Festival was founded in 1931 by the potter Ines Alva."),
@@ -38,7 +37,7 @@ def test_changed_document_under_same_id_is_recomputed_not_served_stale(tiny_engi
     fresh = tiny_engine("llama", document_pass_tokens=pass_tokens)  # never saw the old text
     ref = fresh.generate(QUESTION, changed, strategy="reuse", max_new_tokens=4, return_logprobs=True)
     assert r.token_ids == ref.token_ids
-    torch.testing.assert_close(r.extra["logprobs"], ref.extra["logprobs"], rtol=0, atol=atol)
+    torch.testing.assert_close(r.extra["logprobs"], ref.extra["logprobs"], rtol=0, atol=0)
 
 
 def test_disk_cache_is_shared_across_engines_and_survives_corruption(tiny_engine, tmp_path):
