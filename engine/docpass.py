@@ -3,8 +3,8 @@
 A document's cache is its rows' pre-RoPE K/V when it is prefilled alone after the prompt prefix (positions P ..
 P + L - 1, attending to the prefix and to itself). Computing the documents of a request, or of a precompute slice,
 one prefill each reads every weight once per document and, on a GPU, launches every layer's kernels once per
-document: for a hotpotqa example's ten passages on the embedded model (with its offline adapter) that cost 2.26x
-one full prefill of the whole prompt, one pass 1.16x (CPU; `benchmarks/cold_documents.py --real`).
+document: for a hotpotqa example's ten passages on the embedded model that cost 1.1-1.7x one full prefill of the
+whole prompt on the CPU, one pass 0.8-1.1x (`benchmarks/cold_documents.py --real`).
 
 Here the documents' rows are packed into one row set and run through each layer together: the projections and the
 MLP are one GEMM over all of them; the attention is per document (on CUDA one batched call, a batch row per
@@ -14,6 +14,7 @@ at most `max_tokens` rows (a longer document is a pass of its own).
 
 What it gives equals the one-document prefill's cache up to the rounding of GEMMs over a different row count
 (tests/engine/test_docpass.py holds it to the per-document path's tolerance, and recompute-all to full prefill).
+With `chunk` every GEMM runs at one shape, and a document's cache is then the same bits whatever shares its pass.
 """
 from __future__ import annotations
 
