@@ -110,6 +110,10 @@ class EngineConfig:
             --device cpu --real ../shared/data/hotpotqa.migres.jsonl`): a hotpotqa example's 10 passages took about a
             full prefill's time in one pass against 1.5-1.7x one per pass. On CUDA a pass's caches move with its
             pass-mates by an ulp.
+        document_chunk_rows: rows of every GEMM of a documents pass (engine/docpass.py `chunk`): the pass is padded
+            and run through each weight this many rows at a time, one shape whatever the pass holds, so a
+            document's cache is the same bits whichever documents shared its pass. None (the default): 256 on the
+            CPU (about level with one GEMM per weight there, `DOCUMENT_CHUNK_ROWS`), none on CUDA; 0: never.
         gpu_memory_share: with the pool tier on a GPU, size the documents' rows instead so that the whole device is
             this share of its memory in use once the pool is made (vLLM's gpu_memory_utilization): everything held
             when the engine is built (its weights, other processes) counts, and the rest beyond the pool stays free
@@ -185,6 +189,7 @@ class EngineConfig:
     memory_budget_bytes: int = 4 << 30
     gpu_memory_share: float | None = None
     document_pass_tokens: int | None = None
+    document_chunk_rows: int | None = None
     disk_cache_dir: Path | None = None
     disk_budget_bytes: int = 20 << 30
     prompt: PromptFormat = field(default_factory=PromptFormat)
@@ -229,6 +234,10 @@ class EngineConfig:
                 isinstance(self.document_pass_tokens, bool) or not isinstance(self.document_pass_tokens, int)
                 or self.document_pass_tokens < 0):
             raise ValueError(f"document_pass_tokens must be None or an int >= 0, got {self.document_pass_tokens!r}")
+        if self.document_chunk_rows is not None and (
+                isinstance(self.document_chunk_rows, bool) or not isinstance(self.document_chunk_rows, int)
+                or self.document_chunk_rows < 0):
+            raise ValueError(f"document_chunk_rows must be None or an int >= 0, got {self.document_chunk_rows!r}")
         if self.gpu_memory_share is not None and (isinstance(self.gpu_memory_share, bool)
                                                   or not isinstance(self.gpu_memory_share, (int, float))
                                                   or not 0.0 < self.gpu_memory_share <= 1.0):

@@ -141,12 +141,14 @@ class DocumentCache:
         nothing. Returns: one pre-RoPE DocKV per document, in order."""
         dec = self.doc_runner.dec
         on_cpu = dec.device.type == "cpu"
-        tokens = self.config.document_pass_tokens
+        tokens, rows = self.config.document_pass_tokens, self.config.document_chunk_rows
         if tokens is None:
             tokens = DOCUMENT_PASS_TOKENS if on_cpu else 0
-        with torch.inference_mode():  # on the CPU, GEMMs of one shape: a cache does not depend on its pass-mates
+        if rows is None:
+            rows = DOCUMENT_CHUNK_ROWS if on_cpu else 0
+        with torch.inference_mode():  # GEMMs of one shape (rows): a cache does not depend on its pass-mates
             return documents_pass(dec, self.doc_runner.rope, self.prefix_kv(), docs, max_tokens=tokens or 1,
-                                  chunk=DOCUMENT_CHUNK_ROWS if on_cpu else None)
+                                  chunk=rows or None)
 
     # -- serving -----------------------------------------------------------------------------------------------
     def kvs(self, docs: Sequence[Document], strategy: Strategy | None = None,

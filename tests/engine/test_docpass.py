@@ -157,6 +157,8 @@ def test_document_pass_tokens_is_checked():
     for bad in (-1, 1.5, True, "8k"):
         with pytest.raises(ValueError, match="document_pass_tokens"):
             EngineConfig(document_pass_tokens=bad)
+        with pytest.raises(ValueError, match="document_chunk_rows"):
+            EngineConfig(document_chunk_rows=bad)
 
 
 def test_the_cpu_default_packs_and_a_cache_never_depends_on_its_pass_mates(tiny_engine):
@@ -171,6 +173,9 @@ def test_the_cpu_default_packs_and_a_cache_never_depends_on_its_pass_mates(tiny_
     ids = _docs(engine, n_extra=3)
     together = engine.doc_cache.compute_many(ids)
     one_each = tiny_engine("qwen3", document_pass_tokens=0).doc_cache.compute_many(ids)
+    unchunked = tiny_engine("qwen3", document_chunk_rows=0)
+    loose = [unchunked.doc_cache.compute_many([x])[0] for x in ids]
+    assert any(not torch.equal(a.k, b.k) for a, b in zip(loose, unchunked.doc_cache.compute_many(ids), strict=True))
     for x, kv, solo in zip(ids, together, one_each, strict=True):
         alone = engine.doc_cache.compute_many([x])[0]
         assert torch.equal(kv.k, alone.k) and torch.equal(kv.v, alone.v)

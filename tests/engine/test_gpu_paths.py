@@ -394,3 +394,26 @@ def test_documents_pass_on_cuda_matches_one_prefill_per_document(family):
     kw = dict(strategy="infoflow", recompute_ratio=0.3, max_new_tokens=6)
     a, b = batched.generate(QUESTION, DOCS, **kw), alone.generate(QUESTION, DOCS, **kw)
     assert a.cache_misses == b.cache_misses == len(DOCS) and a.token_ids == b.token_ids
+
+
+@pytest.mark.parametrize("batched", [True, False], ids=["padded", "per-document"])
+@pytest.mark.parametrize("family", ["llama3", "qwen2"])
+def test_documents_pass_on_cuda_with_chunks_is_the_same_bits_whatever_the_pass_mates(family, batched):
+    """With GEMMs at one shape (`chunk`), is a document's cache on CUDA the same bits alone and packed with others?
+    (It is on the CPU; on CUDA it decides whether the pass can be the default without caches moving with their
+    pass-mates.) Both attention paths are checked: padded batched and per document."""
+    from kvfuse.engine.docpass import documents_pass
+    from kvfuse.engine.types import Document
+
+    engine = _engine(family, kv_tier="pool")
+    dc = engine.doc_cache
+    texts = [t for _, t in DOCS] + ["Short.", "The river Dunmore floods every spring; " * 6, "Voss " * 40]
+    ids = [engine.prompts.encode_document(Document(f"d{i}", t)) for i, t in enumerate(texts)]
+    seam = (dc.doc_runner.dec, dc.doc_runner.rope, dc.prefix_kv())
+    with torch.inference_mode():
+        alone = [documents_pass(*seam, [x], chunk=64, batched=batched)[0] for x in ids]
+        together = documents_pass(*seam, ids, chunk=64, batched=batched)
+        reordered = documents_pass(*seam, ids[::-1], chunk=64, batched=batched)[::-1]
+    for a, b, c in zip(alone, together, reordered, strict=True):
+        assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
+        assert torch.equal(a.k, c.k) and torch.equal(a.v, c.v)
