@@ -168,9 +168,8 @@ class DocumentCache:
         needs = tuple(getattr(strategy, "needs_extras", ()))
         if doc_ids is None:
             doc_ids = [self.prompts.encode_document(d) for d in docs]
-        if variant:
-            found = [None] * len(docs)
-        else:  # look every document up first, then compute the missing ones together (one pass, each content once)
+        if not variant:  # look every document up first, then compute the missing ones together (one pass, each
+            # content once)
             keys = [content_key(self.namespace, self.prompts.prefix_ids, ids) for ids in doc_ids]
             missing: dict[str, list[int]] = {}
             found = []
@@ -181,8 +180,9 @@ class DocumentCache:
                     missing.setdefault(key, ids)
             fresh = dict(zip(missing, self.compute_many(list(missing.values())), strict=True)) if missing else {}
         for j, (d, ids) in enumerate(zip(docs, doc_ids, strict=True)):
-            if variant:
+            if variant:  # the variant's own cache (looked up, or computed, by the variant)
                 kv, n = self.cache_variants[variant](self, strategy, d, ids)
+                self.register(d)
                 out.append((ids, kv))
                 tokens += n
                 continue

@@ -96,6 +96,8 @@ def test_variant_is_stored_apart_and_keyed_by_its_neighbours(fusion_engine, tmp_
     e = _engine(fusion_engine, disk_cache_dir=tmp_path / "kv")
     e.precompute(DOCS, strategy="fusionrag")
     before = e.cache_stats()
+    from kvfuse.engine.types import Document
+    assert all(e.doc_cache.registry.known(Document(*d)) for d in DOCS)  # variant-served documents are registered too
     r = e.generate(QUESTION, DOCS, strategy="fusionrag", recompute_ratio=0.2, max_new_tokens=2)
     assert r.cache_misses == 0 and r.miss_prefill_s == 0.0
     plain = e.generate(QUESTION, DOCS, strategy="reuse", max_new_tokens=2)
