@@ -15,7 +15,7 @@ against one per pass.
 documents): each example's documents computed one per pass and in one pass (on the CPU in GEMMs of 256 rows, the
 engine's pass-mate-invariant form, and beside it one GEMM per weight), beside a full prefill of its prompt, and (with
 the shipped offline adapter) in one pass through the adapter unmerged (training's form, the engine's before it merged
-the weights for its documents).
+the weights for its documents); and their sift indexes (engine/sift.py `compute_indexes`) one per pass and in one.
 
     python benchmarks/cold_documents.py --device cpu --real ../shared/data/hotpotqa.migres.jsonl --examples 5
 """
@@ -121,6 +121,7 @@ def real(args) -> int:
     from kvfuse.engine.adapter import AdaptedDecoder
     from kvfuse.engine.doccache import DOCUMENT_CHUNK_ROWS
     from kvfuse.engine.docpass import documents_pass
+    from kvfuse.engine.sift import compute_indexes
     from kvfuse.engine.types import Document
 
     engine = FusionEngine.from_pretrained(args.model, device=args.device, disk_cache=False)
@@ -147,6 +148,15 @@ def real(args) -> int:
                 return time.perf_counter() - t0
             times[label] = time_call(call, 1, 0 if n else 1)[0]
 
+        for label, tokens in (("sift one per pass", 0), ("sift one pass", 8192)):  # the documents' sift indexes
+            def index(tokens=tokens):
+                _sync(args.device)
+                t0 = time.perf_counter()
+                compute_indexes(engine, ids, max_tokens=tokens)
+                _sync(args.device)
+                return time.perf_counter() - t0
+            times[label] = time_call(index, 1, 0 if n else 1)[0]
+
         def full():
             t0 = time.perf_counter()
             engine.generate(row["question"], docs, strategy="full", max_new_tokens=1)
@@ -164,6 +174,8 @@ def real(args) -> int:
         if "one pass, adapter unmerged" in times:
             u = times["one pass, adapter unmerged"]
             line += f"  unmerged adapter {u * 1e3:8.1f} ms ({u / f:4.2f}x full; merged x{u / b:4.2f} faster)"
+        si, sp = times["sift one per pass"], times["sift one pass"]
+        line += f"  sift indexes: one per pass {si * 1e3:8.1f} ms  one pass {sp * 1e3:8.1f} ms (x{si / sp:4.2f} faster)"
         print(line, flush=True)
     engine.close()
     return 0

@@ -30,7 +30,7 @@ from .decode import Arena, Decoding, sized_rows
 from .runner import Runner, Segment
 from .scheduler import Request, Scheduler
 from .sampler import Sampler
-from .sift import IndexStore, compute_index, sparse_plan
+from .sift import IndexStore, compute_index, compute_indexes, sparse_plan
 from .tracing import set_attributes, span
 from .store import DocKV, Namespace, fingerprint_tensors
 from .store.keys import content_key
@@ -236,11 +236,29 @@ class FusionEngine:
         with self.scheduler.exclusive(), _on_device(self.device):
             doc_ids = self._encode_documents(docs)
             self._check_documents_fit(docs, doc_ids)
+            keys = [self._sift_key(ids, strat) for ids in doc_ids]
+            built = self._build_indexes(doc_ids, keys, strat)
             out = []
-            for ids in doc_ids:
-                key = self._sift_key(ids, strat)
-                out.append((ids, key, *self._sift_index(ids, strat, key)))
+            for ids, key in zip(doc_ids, keys, strict=True):
+                fresh = built.pop(key, None)  # computed now: a miss (a repeat of it later in the list: a hit)
+                out.append((ids, key, fresh, False) if fresh is not None else (ids, key, *self._sift_index(ids, strat,
+                                                                                                           key)))
             return out
+
+    def _build_indexes(self, doc_ids: list[list[int]], keys: list[str], strat) -> dict[str, Any]:
+        """The missing indexes among `keys`, computed together (engine/sift.py `compute_indexes`: the documents in
+        one pass) and stored; key -> index of those computed."""
+        missing = {}
+        for ids, key in zip(doc_ids, keys, strict=True):
+            if key not in missing and self.sift_indexes.get(key) is None:
+                missing[key] = ids
+        if not missing:
+            return {}
+        built = dict(zip(missing, compute_indexes(self, list(missing.values()), strat.block, strat.local_mass,
+                                                  strat.cross_mass), strict=True))
+        for key, idx in built.items():
+            self.sift_indexes.put(key, idx)
+        return built
 
     def generate(self, question: str | None = None, docs: Iterable[Any] = (),
                  options: GenerationOptions | None = None, *, question_ids: Sequence[int] | None = None,
@@ -926,13 +944,20 @@ class FusionEngine:
         n_layers = self.decoder.spec.n_layers
         plan, hits, computed, used, rejected, deferred = [], 0, 0, 0, 0, 0
         with _on_device(self.device):
-            for sp, ids, data in zip(layout.docs, layout.doc_ids, carried):
-                ids_l = ids.tolist()
-                key = self._sift_key(ids_l, strat)
+            all_ids = [ids.tolist() for ids in layout.doc_ids]
+            keys = [self._sift_key(ids_l, strat) for ids_l in all_ids]
+            built = {}
+            if strat.on_miss == "compute":  # the request's missing indexes (not carried) in one pass
+                todo = [(i, k) for i, k, data in zip(all_ids, keys, carried, strict=True) if data is None]
+                built = self._build_indexes([i for i, _ in todo], [k for _, k in todo], strat)
+            for sp, ids_l, key, data in zip(layout.docs, all_ids, keys, carried, strict=True):
                 if data is not None:  # checked once per (key, bytes), then served from a memo
                     idx = self.sift_indexes.carried(key, data, n_layers, len(ids_l))
                     used += idx is not None
                     rejected += idx is None
+                elif key in built:  # computed above for this request
+                    idx = built.pop(key)
+                    computed += 1
                 else:
                     idx, hit = self._sift_index(ids_l, strat, key, compute=strat.on_miss == "compute")
                     hits += hit

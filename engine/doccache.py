@@ -139,16 +139,21 @@ class DocumentCache:
     def compute_many(self, docs: Sequence[Sequence[int]]) -> list[DocKV]:
         """Each of `docs` prefilled alone after the prefix, all in as few passes as fit (engine/docpass.py); stores
         nothing. Returns: one pre-RoPE DocKV per document, in order."""
-        dec = self.doc_runner.dec
-        on_cpu = dec.device.type == "cpu"
+        tokens, rows = self.pass_settings()
+        with torch.inference_mode():  # GEMMs of one shape (rows): a cache does not depend on its pass-mates
+            return documents_pass(self.doc_runner.dec, self.doc_runner.rope, self.prefix_kv(), docs,
+                                  max_tokens=tokens or 1, chunk=rows or None)
+
+    def pass_settings(self) -> tuple[int, int]:
+        """(rows per documents pass, 0: one document per pass; rows per GEMM, 0: one GEMM per weight) on this
+        cache's device: `EngineConfig.document_pass_tokens` and `document_chunk_rows`, their defaults resolved."""
+        on_cpu = self.doc_runner.dec.device.type == "cpu"
         tokens, rows = self.config.document_pass_tokens, self.config.document_chunk_rows
         if tokens is None:
             tokens = DOCUMENT_PASS_TOKENS if on_cpu else 0
         if rows is None:
             rows = DOCUMENT_CHUNK_ROWS if on_cpu else 0
-        with torch.inference_mode():  # GEMMs of one shape (rows): a cache does not depend on its pass-mates
-            return documents_pass(dec, self.doc_runner.rope, self.prefix_kv(), docs, max_tokens=tokens or 1,
-                                  chunk=rows or None)
+        return tokens, rows
 
     # -- serving -----------------------------------------------------------------------------------------------
     def kvs(self, docs: Sequence[Document], strategy: Strategy | None = None,

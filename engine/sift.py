@@ -39,7 +39,7 @@ from torch import Tensor
 
 from ..kernels.rope import apply_rope
 
-__all__ = ["SiftIndex", "IndexStore", "compute_index", "sparse_plan", "MarkedLists", "CrossPick", "MAGIC",
+__all__ = ["SiftIndex", "IndexStore", "compute_index", "compute_indexes", "sparse_plan", "MarkedLists", "CrossPick", "MAGIC",
            "CROSS_MODES", "HEAD_MODES", "check_modes"]
 
 MAGIC = b"KVFSIFT1"
@@ -140,44 +140,93 @@ def _fewest_covering(mass: Tensor, share: float) -> Tensor:
 def compute_index(engine, doc_ids: list[int], block: int = 16, local_mass: float = 0.8,
                   cross_mass: float = 0.5, rows_per_chunk: int = 512) -> SiftIndex:
     """Prefills the document alone after the engine's prefix and measures its attention (see the module doc)."""
+    return compute_indexes(engine, [doc_ids], block, local_mass, cross_mass, rows_per_chunk)[0]
+
+
+@torch.inference_mode()
+def compute_indexes(engine, docs: list[list[int]], block: int = 16, local_mass: float = 0.8,
+                    cross_mass: float = 0.5, rows_per_chunk: int = 512, max_tokens: int | None = None,
+                    chunk: int | None = None) -> list[SiftIndex]:
+    """Each document's index, as `compute_index` measures it (the document alone after the prefix), with the
+    documents packed into passes of at most `max_tokens` rows (engine/docpass.py: one GEMM per weight for all of
+    them; GEMMs of `chunk` rows when set, so an index does not depend on its pass-mates; the attention, explicit
+    here to read its weights, per document). None: the engine's documents-pass settings (`document_pass_tokens`,
+    `document_chunk_rows`)."""
+    from .docpass import pack
+
+    if any(len(d) == 0 for d in docs):
+        raise ValueError("every document needs at least one token")
+    if max_tokens is None or chunk is None:
+        tokens, rows = engine.doc_cache.pass_settings()
+        max_tokens = tokens if max_tokens is None else max_tokens
+        chunk = rows if chunk is None else chunk
+    out: list[SiftIndex | None] = [None] * len(docs)
+    order = sorted(range(len(docs)), key=lambda i: len(docs[i]))
+    for group in pack([len(docs[i]) for i in order], max(1, max_tokens)):
+        members = [order[g] for g in group]
+        for i, idx in zip(members, _index_pass(engine, [docs[i] for i in members], block, local_mass, cross_mass,
+                                               rows_per_chunk, chunk or None), strict=True):
+            out[i] = idx
+    return out
+
+
+def _index_pass(engine, docs: list[list[int]], block: int, local_mass: float, cross_mass: float,
+                rows_per_chunk: int, chunk: int | None) -> list[SiftIndex]:
+    from .docpass import _by_chunk
+
     dec = engine.decoder
-    spec = dec.spec
+    spec, dev = dec.spec, dec.device
     prefix = engine.doc_cache.prefix_kv()
     p = int(prefix.k.shape[1])
-    ids = torch.as_tensor(doc_ids, dtype=torch.long, device=dec.device)
-    n = int(ids.numel())
-    nb = -(-n // block)
-    cos, sin = engine.runner.rope(p + n)
-    pos = torch.arange(p + n, device=dec.device)
-    local, cross = [], []  # per layer, on the device: one copy to the host at the end (no sync per layer)
-    tril = torch.tril(torch.ones(nb, nb, dtype=torch.bool, device=dec.device))
+    lens = [len(d) for d in docs]
+    n_rows = sum(lens)
+    pad = 0 if chunk is None else -n_rows % chunk  # rows computed and dropped, so every GEMM has `chunk` rows
+    ids = torch.tensor([t for d in docs for t in d] + [0] * pad, dtype=torch.long, device=dev)
+    cos, sin = engine.runner.rope(p + max(lens))
     group = spec.n_heads // spec.n_kv_heads
-    blk = torch.arange(n, device=dec.device) // block  # each document token's block
+    spans = [(sum(lens[:j]), n) for j, n in enumerate(lens)]
+    # per document: its block count, lower triangle, tokens' blocks, positions; per layer its bit sets (on the
+    # device: one copy to the host at the end, no sync per layer)
+    geo = []
+    for _, n in spans:
+        nb = -(-n // block)
+        geo.append((nb, torch.tril(torch.ones(nb, nb, dtype=torch.bool, device=dev)),
+                    torch.arange(n, device=dev) // block))
+    local: list[list[Tensor]] = [[] for _ in docs]
+    cross: list[list[Tensor]] = [[] for _ in docs]
+    pos = torch.arange(p + max(lens), device=dev)
     h = dec.embed_tokens(ids)
     for i in range(spec.n_layers):
-        q, k, v = dec.project(i, h)
-        kk = torch.cat([prefix.k[i].to(k.device, k.dtype), k])  # the prefix may live in host memory (host tier)
-        vv = torch.cat([prefix.v[i].to(v.device, v.dtype), v])
-        qr = apply_rope(q, cos[p:p + n], sin[p:p + n]).float()
-        kr = apply_rope(kk, cos[:p + n], sin[:p + n]).float().repeat_interleave(group, dim=1)
-        vf = vv.float().repeat_interleave(group, dim=1)
+        q, k, v = (t[:n_rows] for t in _by_chunk(lambda x: dec.project(i, x), chunk, h))
+        pk = prefix.k[i].to(k.device, k.dtype)  # the prefix may live in host memory (host tier)
+        pv = prefix.v[i].to(v.device, v.dtype)
         outs = []
-        mass = torch.zeros(nb, nb, device=dec.device)  # [query block, key block] of attention within the doc
-        for a in range(0, n, rows_per_chunk):
-            b = min(n, a + rows_per_chunk)
-            s = torch.einsum("thd,khd->htk", qr[a:b], kr) * spec.scale
-            s = s.masked_fill(pos[None, None, :] > (p + torch.arange(a, b, device=dec.device))[None, :, None],
-                              float("-inf"))
-            pr = torch.softmax(s, dim=-1)
-            outs.append(torch.einsum("htk,khd->thd", pr, vf).to(q.dtype))
-            doc = pr[:, :, p:].mean(0)  # [rows, n] over heads
-            per_key_block = torch.zeros(b - a, nb, device=dec.device).index_add_(1, blk, doc)
-            mass.index_add_(0, blk[a:b], per_key_block)
-        h = dec.finish(i, h, torch.cat(outs))
-        mass = torch.tril(mass)
-        local.append(_fewest_covering(mass, local_mass) & tril)
-        cross.append(_fewest_covering(mass.sum(0)[None], cross_mass)[0])
-    return SiftIndex(block, n, torch.stack(local).cpu(), torch.stack(cross).cpu())
+        for j, (a, n) in enumerate(spans):
+            nb, tril, blk = geo[j]
+            kk, vv = torch.cat([pk, k[a:a + n]]), torch.cat([pv, v[a:a + n]])
+            qr = apply_rope(q[a:a + n], cos[p:p + n], sin[p:p + n]).float()
+            kr = apply_rope(kk, cos[:p + n], sin[:p + n]).float().repeat_interleave(group, dim=1)
+            vf = vv.float().repeat_interleave(group, dim=1)
+            mass = torch.zeros(nb, nb, device=dev)  # [query block, key block] of attention within the doc
+            for c in range(0, n, rows_per_chunk):
+                e = min(n, c + rows_per_chunk)
+                sc = torch.einsum("thd,khd->htk", qr[c:e], kr) * spec.scale
+                sc = sc.masked_fill(pos[None, None, :p + n] > (p + torch.arange(c, e, device=dev))[None, :, None],
+                                    float("-inf"))
+                pr = torch.softmax(sc, dim=-1)
+                outs.append(torch.einsum("htk,khd->thd", pr, vf).to(q.dtype))
+                doc = pr[:, :, p:].mean(0)  # [rows, n] over heads
+                per_key_block = torch.zeros(e - c, nb, device=dev).index_add_(1, blk, doc)
+                mass.index_add_(0, blk[c:e], per_key_block)
+            mass = torch.tril(mass)
+            local[j].append(_fewest_covering(mass, local_mass) & tril)
+            cross[j].append(_fewest_covering(mass.sum(0)[None], cross_mass)[0])
+        o = torch.cat(outs)
+        if pad:
+            o = torch.cat([o, o.new_zeros(pad, *o.shape[1:])])
+        h = _by_chunk(lambda x, a: dec.finish(i, x, a), chunk, h, o)
+    return [SiftIndex(block, n, torch.stack(local[j]).cpu(), torch.stack(cross[j]).cpu())
+            for j, (_, n) in enumerate(spans)]
 
 
 def _span_map(start: int, n_tokens: int, block_loc: int, block_abs: int) -> tuple[int, Tensor]:

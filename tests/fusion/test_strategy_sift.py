@@ -85,6 +85,43 @@ def test_precompute_stores_indexes_not_caches(tiny_engine):
     assert engine.precompute(DOCS + LONG, strategy="sift").hits == 5
 
 
+def test_indexes_are_built_in_one_pass_each_the_documents_own(tiny_engine, monkeypatch):
+    """A precompute slice's (and an on_miss="compute" request's) missing indexes are built in one pass; each is bit
+    for bit the index of its document built alone (GEMMs of one shape on the CPU), and marks the blocks the old
+    one-prefill-per-document build marked, up to blocks at a threshold."""
+    from kvfuse.engine import api
+    from kvfuse.engine.sift import compute_indexes
+
+    engine = tiny_engine("llama")
+    ids = [engine.prompts.encode_document(Document(*d)) for d in DOCS + LONG]
+    together = compute_indexes(engine, ids, block=4, local_mass=0.5, cross_mass=0.3)
+    agree, total = 0, 0
+    for x, idx in zip(ids, together, strict=True):
+        alone = compute_indexes(engine, [x], block=4, local_mass=0.5, cross_mass=0.3)[0]
+        assert torch.equal(idx.local, alone.local) and torch.equal(idx.cross, alone.cross) and idx.n_tokens == len(x)
+        old = compute_indexes(engine, [x], block=4, local_mass=0.5, cross_mass=0.3, max_tokens=0, chunk=0)[0]
+        agree += int((old.local == idx.local).sum() + (old.cross == idx.cross).sum())
+        total += old.local.numel() + old.cross.numel()
+    assert agree / total > 0.98
+    low = compute_indexes(engine, ids[:1], block=4, local_mass=0.2, cross_mass=0.1)[0]
+    assert not torch.equal(low.local, together[0].local)  # the marks follow the attention: the checks can fail
+
+    calls = []
+    real = api.compute_indexes
+    monkeypatch.setattr(api, "compute_indexes", lambda e, docs, *a, **k: calls.append(len(docs)) or real(e, docs, *a,
+                                                                                                          **k))
+    fresh = tiny_engine("llama")
+    rep = fresh.precompute(DOCS + LONG + [DOCS[0]], strategy="sift")
+    assert calls == [5] and (rep.misses, rep.hits) == (5, 1)
+    other = tiny_engine("llama")
+    r = other.generate(QUESTION, DOCS + LONG, strategy="sift", on_miss="compute", **SPARSE, block=4, local_mass=0.5,
+                       cross_mass=0.3, max_new_tokens=2)
+    assert calls == [5, 5] and r.extra["sift"]["index_computed"] == 5
+    again = other.generate(QUESTION, DOCS + LONG, strategy="sift", on_miss="compute", **SPARSE, block=4,
+                           local_mass=0.5, cross_mass=0.3, max_new_tokens=2)
+    assert calls == [5, 5] and again.extra["sift"]["index_hits"] == 5
+
+
 def _index(n_layers, nb, block, n_tokens, local_rows, cross):
     local = torch.zeros(n_layers, nb, nb, dtype=torch.bool)
     for q, ks in local_rows.items():
