@@ -20,7 +20,9 @@ serialise to a few kilobytes (`SiftIndex.to_bytes`: magic, the key, shapes, pack
 `SiftIndex.from_bytes` refuses (None) any damaged or mismatched one. A document with no index yet attends densely
 (`sparse_plan` with None: a full prefill's cost and answer for it) and its index is built when the engine is next
 idle (`extra["sift"]["index_deferred"]`); with `on_miss="compute"` it is built before the prefill instead
-(`extra["sift"]["index_computed"]`). An index
+(`extra["sift"]["index_computed"]`). The indexes a precompute slice or a request builds are measured in one
+pass (`compute_indexes`: one GEMM per weight for all the documents, attention per document; on the CPU GEMMs of one
+shape, so each index is bit for bit its document's own). An index
 can also ride with its document (`Document.sift_index`, the bytes of `FusionEngine.sift_index_bytes`; the LlamaIndex
 and LangChain precompute transforms write it into node / Document metadata and the query paths read it back): it is
 used only if `from_bytes` accepts it for that request's key, else the document is prefilled densely and counted in
