@@ -102,18 +102,20 @@ class EngineConfig:
         document_pass_tokens: documents without a cache (a request's new documents, a precompute slice) are computed
             together, each after the prefix as if alone, in passes of at most this many rows (engine/docpass.py): one
             GEMM per weight for all of them instead of one prefill each (on CUDA with one padded attention call per
-            layer). 0: one document per pass. None (the default): 8192 on the CPU, 0 on CUDA (the GPU pass has not
-            been measured yet; benchmarks/cold_documents.py times both). On the CPU every pass runs its GEMMs
-            DOCUMENT_CHUNK_ROWS rows at a time (one shape whatever the pass holds), so a document's cache is the same
-            bits whichever documents shared its pass (a GEMM over another row count can round differently): cold and
-            warm requests keep giving bit-identical answers. Measured on the CPU (`benchmarks/cold_documents.py
-            --device cpu --real ../shared/data/hotpotqa.migres.jsonl`): a hotpotqa example's 10 passages took about a
-            full prefill's time in one pass against 1.5-1.7x one per pass. On CUDA a pass's caches move with its
-            pass-mates by an ulp.
+            layer). 0: one document per pass. None (the default): 8192. Measured (`benchmarks/cold_documents.py`):
+            on an H100, a cold infoflow request of new documents 4.7x faster at 2k and 7.3x at 8k on the 0.5B shape,
+            1.85x at 2k on the 8B shape, than one prefill per document; on the CPU a hotpotqa example's 10 passages
+            took about a full prefill's time in one pass against 1.1-1.7x one per pass (`--device cpu --real
+            ../shared/data/hotpotqa.migres.jsonl`). On the CPU the pass runs its GEMMs in fixed-shape chunks
+            (`document_chunk_rows`), so a document's cache is the same bits whichever documents shared its pass and
+            cold and warm requests give bit-identical answers; on CUDA a cache computed beside others differs from
+            the one computed alone by GEMM rounding (an ulp), which fixed-shape chunks would avoid at 1.2-2.7x the pass's
+            time there (measured, same benchmark).
         document_chunk_rows: rows of every GEMM of a documents pass (engine/docpass.py `chunk`): the pass is padded
             and run through each weight this many rows at a time, one shape whatever the pass holds, so a
-            document's cache is the same bits whichever documents shared its pass. None (the default): 256 on the
-            CPU (about level with one GEMM per weight there, `DOCUMENT_CHUNK_ROWS`), none on CUDA; 0: never.
+            document's cache is the same bits whichever documents shared its pass (also on CUDA: tested there). None
+            (the default): 256 on the CPU (about level with one GEMM per weight there, `DOCUMENT_CHUNK_ROWS`), none
+            on CUDA (512-row chunks made the pass 1.2-2.7x slower on an H100); 0: never.
         gpu_memory_share: with the pool tier on a GPU, size the documents' rows instead so that the whole device is
             this share of its memory in use once the pool is made (vLLM's gpu_memory_utilization): everything held
             when the engine is built (its weights, other processes) counts, and the rest beyond the pool stays free

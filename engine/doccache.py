@@ -40,7 +40,7 @@ from .decode import decode_rows, request_rows, sized_rows
 from .docpass import documents_pass
 from .types import Document
 
-#: rows per pass of new documents when `EngineConfig.document_pass_tokens` is None, on the CPU
+#: rows per pass of new documents when `EngineConfig.document_pass_tokens` is None
 DOCUMENT_PASS_TOKENS = 8192
 #: rows of every GEMM of a CPU documents pass (engine/docpass.py `chunk`): one shape, so a cache does not depend on
 #: its pass-mates; 256 keeps the CPU's bf16 GEMMs on their fast path (64- and 128-row calls measured 2-9x slower per
@@ -150,7 +150,7 @@ class DocumentCache:
         on_cpu = self.doc_runner.dec.device.type == "cpu"
         tokens, rows = self.config.document_pass_tokens, self.config.document_chunk_rows
         if tokens is None:
-            tokens = DOCUMENT_PASS_TOKENS if on_cpu else 0
+            tokens = DOCUMENT_PASS_TOKENS
         if rows is None:
             rows = DOCUMENT_CHUNK_ROWS if on_cpu else 0
         return tokens, rows

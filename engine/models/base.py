@@ -73,8 +73,12 @@ def _pack(modules) -> tuple[Tensor, Tensor | None] | None:
     bs = [m.bias for m in modules]
     if len({(w.device, w.dtype, w.shape[1]) for w in ws}) != 1 or len({b is None for b in bs}) != 1:
         return None
-    packed = torch.cat([w.detach() for w in ws])
-    bias = None if bs[0] is None else torch.cat([b.detach() for b in bs])
+    packed = _adjacent(ws)  # packed before (another engine over the same model): that pack, not a second copy
+    if packed is None:
+        packed = torch.cat([w.detach() for w in ws])
+    bias = None if bs[0] is None else _adjacent(bs)
+    if bs[0] is not None and bias is None:
+        bias = torch.cat([b.detach() for b in bs])
     o = 0
     for m in modules:
         n = m.weight.shape[0]
@@ -83,6 +87,21 @@ def _pack(modules) -> tuple[Tensor, Tensor | None] | None:
             m.bias.data = bias[o:o + n]
         o += n
     return packed, bias
+
+
+def _adjacent(ts) -> Tensor | None:
+    """One tensor over `ts` when they are already consecutive rows of one contiguous storage (as `_pack` leaves
+    them), else None."""
+    first = ts[0]
+    if not all(t.is_contiguous() for t in ts) or len({t.untyped_storage().data_ptr() for t in ts}) != 1:
+        return None
+    offset = first.storage_offset()
+    for t in ts:
+        if t.storage_offset() != offset:
+            return None
+        offset += t.numel()
+    rows = sum(t.shape[0] for t in ts)
+    return first.detach().as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
 
 
 class _Layer:

@@ -378,8 +378,9 @@ def test_documents_pass_on_cuda_matches_one_prefill_per_document(family):
     from kvfuse.engine.fusion.reuse import Reuse
     from kvfuse.engine.types import Document
 
-    batched = _engine(family, kv_tier="pool", document_pass_tokens=8192)
-    alone = _engine(family, kv_tier="pool")
+    batched = _engine(family, kv_tier="pool")  # the default: one pass
+    assert batched.doc_cache.pass_settings() == (8192, 0)
+    alone = _engine(family, kv_tier="pool", document_pass_tokens=0)
     dc = batched.doc_cache
     texts = [t for _, t in DOCS] + ["Short.", "The river Dunmore floods every spring; " * 6]
     ids = [batched.prompts.encode_document(Document(f"d{i}", t)) for i, t in enumerate(texts)]

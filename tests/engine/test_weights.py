@@ -423,3 +423,25 @@ def test_registry_name_maps_names_and_ggufs_without_converting(tmp_path):
     assert W.registry_name(other, cache_dir=tmp_path / "cache") is None
     assert W.registry_name(tmp_path) is None and W.registry_name("no-such-model") is None
     assert not (tmp_path / "cache" / "models").exists()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_engines_over_one_model_share_its_packed_weights(family):
+    """A second engine over the same loaded model reuses the first one's packed q/k/v and gate/up weights (one copy on
+    the card, not one per engine), and both compute the same answer as before."""
+    from fixtures import engine_from
+
+    model, tok, info = load_tiny(family, dtype=torch.float32)
+    first = engine_from(model, tok, info)
+    before = first.generate("Who?", [("a", "Amelia Voss was born in Esk.")], strategy="full", max_new_tokens=3)
+    second = engine_from(model, tok, info)
+    for a, b in zip(first.decoder.layers, second.decoder.layers, strict=True):
+        assert a.wqkv.data_ptr() == b.wqkv.data_ptr() and a.w_gu.data_ptr() == b.w_gu.data_ptr()
+        assert a.wq.data_ptr() == a.wqkv.data_ptr()  # the separate names are views of the pack
+        if a.bqkv is not None:
+            assert a.bqkv.data_ptr() == b.bqkv.data_ptr()
+    for e in (first, second):
+        r = e.generate("Who?", [("a", "Amelia Voss was born in Esk.")], strategy="full", max_new_tokens=3)
+        assert r.token_ids == before.token_ids
+    first.close()
+    second.close()
