@@ -104,7 +104,7 @@ class EngineConfig:
             GEMM per weight for all of them instead of one prefill each (on CUDA with one padded attention call per
             layer). 0: one document per pass. None (the default): 8192. Measured (`benchmarks/cold_documents.py`):
             on an H100, a cold infoflow request of new documents 4.7x faster at 2k and 7.3x at 8k on the 0.5B shape,
-            1.85x at 2k on the 8B shape, than one prefill per document; on the CPU a hotpotqa example's 10 passages
+            1.85-2.5x at 2k and 2.1x at 8k on the 8B shape, than one prefill per document; on the CPU a hotpotqa example's 10 passages
             took about a full prefill's time in one pass against 1.1-1.7x one per pass (`--device cpu --real
             ../shared/data/hotpotqa.migres.jsonl`). On the CPU the pass runs its GEMMs in fixed-shape chunks
             (`document_chunk_rows`), so a document's cache is the same bits whichever documents shared its pass and
