@@ -104,13 +104,13 @@ class EngineConfig:
             GEMM per weight for all of them instead of one prefill each (on CUDA with one padded attention call per
             layer). 0: one document per pass. None (the default): 8192. Measured (`benchmarks/cold_documents.py`):
             on an H100, a cold infoflow request of new documents 4.7x faster at 2k and 7.3x at 8k on the 0.5B shape,
-            1.85-2.5x at 2k and 2.1x at 8k on the 8B shape, than one prefill per document; on the CPU a hotpotqa example's 10 passages
-            took about a full prefill's time in one pass against 1.1-1.7x one per pass (`--device cpu --real
-            ../shared/data/hotpotqa.migres.jsonl`). On the CPU the pass runs its GEMMs in fixed-shape chunks
-            (`document_chunk_rows`), so a document's cache is the same bits whichever documents shared its pass and
-            cold and warm requests give bit-identical answers; on CUDA a cache computed beside others differs from
-            the one computed alone by GEMM rounding (an ulp), which fixed-shape chunks would avoid at 1.2-2.7x the pass's
-            time there (measured, same benchmark).
+            1.85-2.5x at 2k and 2.1x at 8k on the 8B shape, than one prefill per document; on the CPU a hotpotqa
+            example's 10 passages took about a full prefill's time in one pass against 1.1-1.7x one per pass
+            (`--device cpu --real ../shared/data/hotpotqa.migres.jsonl`). On the CPU the pass runs its GEMMs in
+            fixed-shape chunks (`document_chunk_rows`), so a document's cache is the same bits whichever documents
+            shared its pass and cold and warm requests give bit-identical answers; on CUDA a cache computed beside
+            others differs from the one computed alone by GEMM rounding (an ulp), which fixed-shape chunks would
+            avoid at 1.2-2.7x the pass's time there (measured, same benchmark).
         document_chunk_rows: rows of every GEMM of a documents pass (engine/docpass.py `chunk`): the pass is padded
             and run through each weight this many rows at a time, one shape whatever the pass holds, so a
             document's cache is the same bits whichever documents shared its pass (also on CUDA: tested there). None

@@ -41,7 +41,8 @@ from torch import Tensor
 
 from ..kernels.rope import apply_rope
 
-__all__ = ["SiftIndex", "IndexStore", "compute_index", "compute_indexes", "sparse_plan", "MarkedLists", "CrossPick", "MAGIC",
+__all__ = ["SiftIndex", "IndexStore", "compute_index", "compute_indexes", "sparse_plan", "MarkedLists", "CrossPick",
+           "MAGIC",
            "CROSS_MODES", "HEAD_MODES", "check_modes"]
 
 MAGIC = b"KVFSIFT1"
