@@ -4,7 +4,7 @@ A document's cache is its rows' pre-RoPE K/V when it is prefilled alone after th
 P + L - 1, attending to the prefix and to itself). Computing the documents of a request, or of a precompute slice,
 one prefill each reads every weight once per document and, on a GPU, launches every layer's kernels once per
 document: for a hotpotqa example's ten passages on the embedded model that cost 1.1-1.7x one full prefill of the
-whole prompt on the CPU, one pass 0.8-1.1x (`benchmarks/cold_documents.py --real`).
+whole prompt on the CPU, one pass 0.8-1.3x (`benchmarks/cold_documents.py --real`).
 
 Here the documents' rows are packed into one row set and run through each layer together: the projections and the
 MLP are one GEMM over all of them; the attention is per document (on CUDA one batched call, a batch row per
