@@ -240,9 +240,10 @@ class FusionEngine:
             built = self._build_indexes(doc_ids, keys, strat)
             out = []
             for ids, key in zip(doc_ids, keys, strict=True):
-                fresh = built.pop(key, None)  # computed now: a miss (a repeat of it later in the list: a hit)
-                out.append((ids, key, fresh, False) if fresh is not None else (ids, key, *self._sift_index(ids, strat,
-                                                                                                           key)))
+                if key in built:  # computed now: a miss (a repeat of it later in the list is a hit)
+                    out.append((ids, key, built.pop(key), False))
+                else:
+                    out.append((ids, key, *self._sift_index(ids, strat, key)))
             return out
 
     def _build_indexes(self, doc_ids: list[list[int]], keys: list[str], strat) -> dict[str, Any]:

@@ -102,7 +102,7 @@ class EngineConfig:
         document_pass_tokens: documents without a cache (a request's new documents, a precompute slice) are computed
             together, each after the prefix as if alone, in passes of at most this many rows (engine/docpass.py): one
             GEMM per weight for all of them instead of one prefill each (on CUDA with one padded attention call per
-            layer). 0: one document per pass. None (the default): 8192. Measured (`benchmarks/cold_documents.py`):
+            layer). 0: one document per pass. Default 8192. Measured (`benchmarks/cold_documents.py`):
             on an H100, a cold infoflow request of new documents 4.7x faster at 2k and 7.3x at 8k on the 0.5B shape,
             1.85-2.5x at 2k and 2.1x at 8k on the 8B shape, than one prefill per document; on the CPU a hotpotqa
             example's 10 passages took about a full prefill's time in one pass against 1.1-1.7x one per pass
@@ -190,7 +190,7 @@ class EngineConfig:
 
     memory_budget_bytes: int = 4 << 30
     gpu_memory_share: float | None = None
-    document_pass_tokens: int | None = None
+    document_pass_tokens: int = 8192
     document_chunk_rows: int | None = None
     disk_cache_dir: Path | None = None
     disk_budget_bytes: int = 20 << 30
@@ -232,10 +232,9 @@ class EngineConfig:
             raise ValueError(f"kv_tier must be 'auto', 'pool' or 'host', got {self.kv_tier!r}")
         if self.memory_budget_bytes < 0 or self.disk_budget_bytes < 0 or self.id_index_bytes < 0:
             raise ValueError("cache budgets must be >= 0 bytes")
-        if self.document_pass_tokens is not None and (
-                isinstance(self.document_pass_tokens, bool) or not isinstance(self.document_pass_tokens, int)
-                or self.document_pass_tokens < 0):
-            raise ValueError(f"document_pass_tokens must be None or an int >= 0, got {self.document_pass_tokens!r}")
+        if isinstance(self.document_pass_tokens, bool) or not isinstance(self.document_pass_tokens, int) \
+                or self.document_pass_tokens < 0:
+            raise ValueError(f"document_pass_tokens must be an int >= 0, got {self.document_pass_tokens!r}")
         if self.document_chunk_rows is not None and (
                 isinstance(self.document_chunk_rows, bool) or not isinstance(self.document_chunk_rows, int)
                 or self.document_chunk_rows < 0):

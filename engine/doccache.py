@@ -40,11 +40,9 @@ from .decode import decode_rows, request_rows, sized_rows
 from .docpass import documents_pass
 from .types import Document
 
-#: rows per pass of new documents when `EngineConfig.document_pass_tokens` is None
-DOCUMENT_PASS_TOKENS = 8192
 #: rows of every GEMM of a CPU documents pass (engine/docpass.py `chunk`): one shape, so a cache does not depend on
-#: its pass-mates; 256 keeps the CPU's bf16 GEMMs on their fast path (64- and 128-row calls measured 2-9x slower per
-#: row than one call over 1.5k rows, 256 about level with it)
+#: its pass-mates; small chunks leave the CPU's bf16 GEMMs' fast path (`python benchmarks/gemm_chunk_rows.py` times
+#: 64-512-row chunks against one GEMM and checks that a row's result does not depend on its place or neighbours)
 DOCUMENT_CHUNK_ROWS = 256
 
 __all__ = ["DocumentCache", "Piece"]
@@ -146,14 +144,11 @@ class DocumentCache:
 
     def pass_settings(self) -> tuple[int, int]:
         """(rows per documents pass, 0: one document per pass; rows per GEMM, 0: one GEMM per weight) on this
-        cache's device: `EngineConfig.document_pass_tokens` and `document_chunk_rows`, their defaults resolved."""
-        on_cpu = self.doc_runner.dec.device.type == "cpu"
-        tokens, rows = self.config.document_pass_tokens, self.config.document_chunk_rows
-        if tokens is None:
-            tokens = DOCUMENT_PASS_TOKENS
+        cache's device: `EngineConfig.document_pass_tokens` and `document_chunk_rows`, the latter's default resolved."""
+        rows = self.config.document_chunk_rows
         if rows is None:
-            rows = DOCUMENT_CHUNK_ROWS if on_cpu else 0
-        return tokens, rows
+            rows = DOCUMENT_CHUNK_ROWS if self.doc_runner.dec.device.type == "cpu" else 0
+        return self.config.document_pass_tokens, rows
 
     # -- serving -----------------------------------------------------------------------------------------------
     def kvs(self, docs: Sequence[Document], strategy: Strategy | None = None,

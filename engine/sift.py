@@ -154,7 +154,7 @@ def compute_indexes(engine, docs: list[list[int]], block: int = 16, local_mass: 
     documents packed into passes of at most `max_tokens` rows (engine/docpass.py: one GEMM per weight for all of
     them; GEMMs of `chunk` rows when set, so an index does not depend on its pass-mates; the attention, explicit
     here to read its weights, per document). None: the engine's documents-pass settings (`document_pass_tokens`,
-    `document_chunk_rows`)."""
+    `document_chunk_rows`; `DocumentCache.pass_settings`)."""
     from .docpass import pack
 
     if any(len(d) == 0 for d in docs):

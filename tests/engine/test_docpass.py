@@ -162,14 +162,14 @@ def test_document_pass_tokens_is_checked():
 
 
 def test_the_cpu_default_packs_and_a_cache_never_depends_on_its_pass_mates(tiny_engine):
-    """document_pass_tokens=None (the default) on the CPU: the request's documents in one pass, GEMMs in chunks of
+    """document_pass_tokens=8192 (the default) on the CPU: the request's documents in one pass, GEMMs in chunks of
     one shape, so each cache is bit for bit what the engine computes for that document alone, one per pass or
     packed (the reliability suite's exact cold-vs-warm comparisons rest on it), and the per-document prefill's to
     rounding."""
     from kvfuse.engine.doccache import DOCUMENT_CHUNK_ROWS
 
     engine = tiny_engine("qwen3")
-    assert engine.config.document_pass_tokens is None and DOCUMENT_CHUNK_ROWS > 0
+    assert engine.doc_cache.pass_settings() == (8192, DOCUMENT_CHUNK_ROWS)
     ids = _docs(engine, n_extra=3)
     together = engine.doc_cache.compute_many(ids)
     one_each = tiny_engine("qwen3", document_pass_tokens=0).doc_cache.compute_many(ids)
