@@ -400,9 +400,9 @@ def test_documents_pass_on_cuda_matches_one_prefill_per_document(family):
 @pytest.mark.parametrize("batched", [True, False], ids=["padded", "per-document"])
 @pytest.mark.parametrize("family", ["llama3", "qwen2"])
 def test_documents_pass_on_cuda_with_chunks_is_the_same_bits_whatever_the_pass_mates(family, batched):
-    """With GEMMs at one shape (`chunk`), is a document's cache on CUDA the same bits alone and packed with others?
-    (It is on the CPU; on CUDA it decides whether the pass can be the default without caches moving with their
-    pass-mates.) Both attention paths are checked: padded batched and per document."""
+    """With GEMMs at one shape (`chunk`, `EngineConfig.document_chunk_rows`) a document's cache on CUDA is the same
+    bits alone, packed with others and reordered, with either attention path (padded batched, per document): the
+    invariance CUDA's default (one GEMM per weight, faster) gives up and the setting buys back."""
     from kvfuse.engine.docpass import documents_pass
     from kvfuse.engine.types import Document
 
