@@ -27,7 +27,7 @@ from ..kernels.causal import head_major_sdpa, token_major_sdpa
 from ..kernels.rope import apply_rope
 from .store.entry import DocKV
 
-__all__ = ["documents_pass", "pack"]
+__all__ = ["documents_pass", "pack", "layer_pass"]
 
 
 def pack(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
@@ -91,6 +91,33 @@ def documents_pass(dec, rope, prefix: DocKV, docs: Sequence[Sequence[int]], max_
     return out
 
 
+def layer_pass(dec, docs: Sequence[Sequence[int]], chunk: int | None, attend, keep: bool = True
+               ) -> tuple[list[Tensor], list[Tensor]]:
+    """The skeleton every documents pass shares: the documents' rows packed one after another, run through every
+    layer, projections and MLP over all of them at once (`chunk` rows per GEMM when set, the rows padded to a
+    multiple of it), attention by the caller: `attend(i, q, k, v)` gets layer i's pre-RoPE q/k/v of the real rows
+    ([T, H, D], documents in order) and returns their attention output [T, Hq, D].
+
+    Returns:
+        (per-layer K, per-layer V) of the real rows, pre-RoPE (empty lists when `keep` is False).
+    """
+    n_rows = sum(len(d) for d in docs)
+    pad = 0 if chunk is None else -n_rows % chunk  # rows computed and dropped, so every chunk is full
+    ids = torch.tensor([t for d in docs for t in d] + [0] * pad, dtype=torch.long, device=dec.device)
+    h = dec.embed_tokens(ids)
+    ks, vs = [], []
+    for i in range(dec.spec.n_layers):
+        q, k, v = (t[:n_rows] for t in _by_chunk(lambda x: dec.project(i, x), chunk, h))  # [T, H, D] pre-RoPE
+        if keep:
+            ks.append(k)
+            vs.append(v)
+        o = attend(i, q, k, v)
+        if pad:
+            o = torch.cat([o, o.new_zeros(pad, *o.shape[1:])])
+        h = _by_chunk(lambda x, a: dec.finish(i, x, a), chunk, h, o)
+    return ks, vs
+
+
 def _one_pass(dec, tables, prefix_k: list[Tensor], prefix_v: list[Tensor], docs: list[Sequence[int]],
               padded: bool, chunk: int | None = None) -> list[DocKV]:
     spec, dev = dec.spec, dec.device
@@ -99,8 +126,6 @@ def _one_pass(dec, tables, prefix_k: list[Tensor], prefix_v: list[Tensor], docs:
     lens = torch.tensor([len(d) for d in docs])
     width = int(lens.max())
     n_rows = int(lens.sum())
-    pad = 0 if chunk is None else -n_rows % chunk  # rows computed and dropped, so every chunk is full
-    ids = torch.tensor([t for d in docs for t in d] + [0] * pad, dtype=torch.long, device=dev)
     starts = torch.cumsum(lens, 0) - lens
     within = torch.arange(n_rows) - starts.repeat_interleave(lens)            # [T] row's index in its document
     rope_rows = (cos[p + within.to(dev)], sin[p + within.to(dev)])            # each document after the prefix
@@ -117,12 +142,8 @@ def _one_pass(dec, tables, prefix_k: list[Tensor], prefix_v: list[Tensor], docs:
         flat = torch.where(real, starts[:, None] + j[None, :], 0).to(dev)      # [B, W] its flat row (pad: row 0)
         real = real.to(dev)
         bottom_right = _lower_right(width, p + width)
-    h = dec.embed_tokens(ids)
-    ks, vs = [], []
-    for i in range(spec.n_layers):
-        q, k, v = (t[:n_rows] for t in _by_chunk(lambda x: dec.project(i, x), chunk, h))  # [T, H, D] pre-RoPE
-        ks.append(k)
-        vs.append(v)
+
+    def attend(i, q, k, v):
         qr, kr = apply_rope(q, *rope_rows), apply_rope(k, *rope_rows)
         pk, pv = prefix_k[i], prefix_v[i]
         if padded:
@@ -131,13 +152,12 @@ def _one_pass(dec, tables, prefix_k: list[Tensor], prefix_v: list[Tensor], docs:
             keys = torch.cat([pk.transpose(0, 1)[None].expand(b, -1, -1, -1), heads(kr)], dim=2)
             vals = torch.cat([pv.transpose(0, 1)[None].expand(b, -1, -1, -1), heads(v)], dim=2)
             o = head_major_sdpa(heads(qr), keys, vals, spec.scale, attn_mask=bottom_right)  # [B, Hq, W, D]
-            o = o.transpose(1, 2)[real]                                        # [T, Hq, D], flat row order
-        else:  # one call per document, at its own length
-            o = torch.cat([token_major_sdpa(qr[a:a + n], torch.cat([pk, kr[a:a + n]]), torch.cat([pv, v[a:a + n]]),
-                                            spec.scale, attn_mask=mask[:n, :p + n]) for a, n in spans])
-        if pad:
-            o = torch.cat([o, o.new_zeros(pad, *o.shape[1:])])
-        h = _by_chunk(lambda x, a: dec.finish(i, x, a), chunk, h, o)
+            return o.transpose(1, 2)[real]                                     # [T, Hq, D], flat row order
+        # one call per document, at its own length
+        return torch.cat([token_major_sdpa(qr[a:a + n], torch.cat([pk, kr[a:a + n]]), torch.cat([pv, v[a:a + n]]),
+                                           spec.scale, attn_mask=mask[:n, :p + n]) for a, n in spans])
+
+    ks, vs = layer_pass(dec, docs, chunk, attend)
     k_all, v_all = torch.stack(ks), torch.stack(vs)                            # [n_layers, T, Hkv, D]
     return [DocKV(k_all[:, a:a + n].clone(), v_all[:, a:a + n].clone()) for a, n in spans]
 

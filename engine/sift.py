@@ -175,21 +175,20 @@ def compute_indexes(engine, docs: list[list[int]], block: int = 16, local_mass: 
 
 def _index_pass(engine, docs: list[list[int]], block: int, local_mass: float, cross_mass: float,
                 rows_per_chunk: int, chunk: int | None) -> list[SiftIndex]:
-    from .docpass import _by_chunk
+    """One documents pass (engine/docpass.py `layer_pass`) whose attention is explicit, per document, so its weights
+    can be read: each layer's local and cross marks of every document."""
+    from .docpass import layer_pass
 
     dec = engine.decoder
     spec, dev = dec.spec, dec.device
     prefix = engine.doc_cache.prefix_kv()
     p = int(prefix.k.shape[1])
     lens = [len(d) for d in docs]
-    n_rows = sum(lens)
-    pad = 0 if chunk is None else -n_rows % chunk  # rows computed and dropped, so every GEMM has `chunk` rows
-    ids = torch.tensor([t for d in docs for t in d] + [0] * pad, dtype=torch.long, device=dev)
     cos, sin = engine.runner.rope(p + max(lens))
     group = spec.n_heads // spec.n_kv_heads
     spans = [(sum(lens[:j]), n) for j, n in enumerate(lens)]
-    # per document: its block count, lower triangle, tokens' blocks, positions; per layer its bit sets (on the
-    # device: one copy to the host at the end, no sync per layer)
+    # per document: its block count, lower triangle, tokens' blocks; per layer its bit sets (on the device: one
+    # copy to the host at the end, no sync per layer)
     geo = []
     for _, n in spans:
         nb = -(-n // block)
@@ -198,18 +197,18 @@ def _index_pass(engine, docs: list[list[int]], block: int, local_mass: float, cr
     local: list[list[Tensor]] = [[] for _ in docs]
     cross: list[list[Tensor]] = [[] for _ in docs]
     pos = torch.arange(p + max(lens), device=dev)
-    h = dec.embed_tokens(ids)
-    for i in range(spec.n_layers):
-        q, k, v = (t[:n_rows] for t in _by_chunk(lambda x: dec.project(i, x), chunk, h))
-        pk = prefix.k[i].to(k.device, k.dtype)  # the prefix may live in host memory (host tier)
-        pv = prefix.v[i].to(v.device, v.dtype)
+
+    def attend(i, q, k, v):
+        # the prefix (it may live in host memory: the host tier) rotated and widened once per layer
+        pk = apply_rope(prefix.k[i].to(k.device, k.dtype), cos[:p], sin[:p]).float().repeat_interleave(group, dim=1)
+        pv = prefix.v[i].to(v.device, v.dtype).float().repeat_interleave(group, dim=1)
         outs = []
         for j, (a, n) in enumerate(spans):
             nb, tril, blk = geo[j]
-            kk, vv = torch.cat([pk, k[a:a + n]]), torch.cat([pv, v[a:a + n]])
             qr = apply_rope(q[a:a + n], cos[p:p + n], sin[p:p + n]).float()
-            kr = apply_rope(kk, cos[:p + n], sin[:p + n]).float().repeat_interleave(group, dim=1)
-            vf = vv.float().repeat_interleave(group, dim=1)
+            kr = torch.cat([pk, apply_rope(k[a:a + n], cos[p:p + n], sin[p:p + n]).float()
+                            .repeat_interleave(group, dim=1)])
+            vf = torch.cat([pv, v[a:a + n].float().repeat_interleave(group, dim=1)])
             mass = torch.zeros(nb, nb, device=dev)  # [query block, key block] of attention within the doc
             for c in range(0, n, rows_per_chunk):
                 e = min(n, c + rows_per_chunk)
@@ -224,10 +223,9 @@ def _index_pass(engine, docs: list[list[int]], block: int, local_mass: float, cr
             mass = torch.tril(mass)
             local[j].append(_fewest_covering(mass, local_mass) & tril)
             cross[j].append(_fewest_covering(mass.sum(0)[None], cross_mass)[0])
-        o = torch.cat(outs)
-        if pad:
-            o = torch.cat([o, o.new_zeros(pad, *o.shape[1:])])
-        h = _by_chunk(lambda x, a: dec.finish(i, x, a), chunk, h, o)
+        return torch.cat(outs)
+
+    layer_pass(dec, docs, chunk, attend, keep=False)
     return [SiftIndex(block, n, torch.stack(local[j]).cpu(), torch.stack(cross[j]).cpu())
             for j, (_, n) in enumerate(spans)]
 
