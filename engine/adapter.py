@@ -213,12 +213,17 @@ def merge_into(dec: Decoder, adapter: FusionAdapter) -> Decoder:
     return merged
 
 
-def packaged_adapter(model_name: str) -> Path | None:
-    """The adapter file shipped in the package for a registry model name, or None."""
+def packaged_adapter_dir() -> Path:
+    """The package's folder of shipped adapter files (kvfuse/data/adapters)."""
     folder = Path(__file__).resolve().parent.parent / "kvfuse" / "data" / "adapters"  # source checkout
     if not folder.is_dir():
         folder = Path(__file__).resolve().parent.parent / "data" / "adapters"  # installed: kvfuse/engine -> kvfuse/data
-    path = folder / f"{model_name}.safetensors"
+    return folder
+
+
+def packaged_adapter(model_name: str) -> Path | None:
+    """The adapter file shipped in the package for a registry model name, or None."""
+    path = packaged_adapter_dir() / f"{model_name}.safetensors"
     return path if path.is_file() else None
 
 

@@ -14,6 +14,7 @@ import torch
 
 from .auto import Choice, Front, TtftRate, packaged_front
 from .adapter import FusionAdapter, load_adapter, merge_into, resolve_adapter
+from .links import LinkRows, applies_to, load_links, placeholder_ids, resolve_links
 from .config import EngineConfig, resolve_device, resolve_dtype
 from .diagnose import ContextKV
 from .doccache import DocumentCache
@@ -84,6 +85,9 @@ class FusionEngine:
         adapter: a fusion adapter (engine/adapter.py: a FusionAdapter or the path of its safetensors file); None
             for none. An offline one computes the documents' caches; an online one computes the rows fused
             prefills compute (`fused_runner`, merged weights). Its hash is part of every cache key.
+        links: link rows (engine/links.py: a LinkRows or the path of its safetensors file); None for none. Their
+            K learned rows follow every cached document of a fused request's prompt and are computed with it;
+            caches do not change with them.
 
     Document caches are served by `doc_cache` (a DocumentCache, engine/doccache.py); `store`, `registry`,
     `doc_profilers`, `cache_variants`, `corpus` and `context_window` are its attributes, reachable here too.
@@ -98,10 +102,19 @@ class FusionEngine:
 
     def __init__(self, hf_model, tokenizer, config: EngineConfig | None = None, *, model_name: str | None = None,
                  model_fingerprint: str | None = None, tokenizer_fingerprint: str | None = None,
-                 adapter: FusionAdapter | str | Path | None = None) -> None:
+                 adapter: FusionAdapter | str | Path | None = None, links: LinkRows | str | Path | None = None
+                 ) -> None:
         self.config = config or EngineConfig()
         self.decoder = build_decoder(hf_model)
         _check_on_device(hf_model, self.decoder.device)
+        if links is not None and not isinstance(links, LinkRows):
+            links = load_links(links)
+        if links is not None:  # before any runner copies the decoder: every copy embeds the placeholders
+            links.check(self.decoder.spec.hidden)
+            self.decoder.links = links.vectors.detach().to(self.decoder.device, self.decoder.dtype)
+        self.links = links
+        self._link_ids = placeholder_ids(self.decoder.spec.vocab, links.k) if links is not None else None
+        self.links_digest = links.digest[:16] if links is not None else ""
         self.hf_model = hf_model
         self.tokenizer = tokenizer
         self.model_name = model_name or getattr(hf_model.config, "_name_or_path", "") or self.decoder.spec.family
@@ -161,7 +174,7 @@ class FusionEngine:
     def from_pretrained(cls, name_or_path: str = DEFAULT_MODEL, *, device: str | None = None,
                         dtype: str | torch.dtype | None = None, cache_dir: str | None = None,
                         disk_cache: bool = True, adapter: FusionAdapter | str | Path | None = "auto",
-                        **config: Any) -> FusionEngine:
+                        links: LinkRows | str | Path | None = "auto", **config: Any) -> FusionEngine:
         """Loads a model by registry name ("qwen2.5-coder-0.5b", "smollm2-135m", ...), GGUF path or HF folder.
 
         Args:
@@ -173,6 +186,8 @@ class FusionEngine:
             adapter: "auto" (the default: the fusion adapter shipped for this model when there is one, as for the
                 embedded model; none otherwise), None (no adapter: the base model everywhere), "packaged" (the
                 shipped one: ValueError when there is none), a .safetensors path or a FusionAdapter.
+            links: the same choices for link rows (engine/links.py): "auto" (the default: those shipped for this
+                model when there are some), None, "packaged", a .safetensors path or a LinkRows.
             **config: EngineConfig fields (memory_budget_bytes, prompt, redis_url, ...).
         """
         from .weights import default_cache_dir, load_model
@@ -184,8 +199,9 @@ class FusionEngine:
             config["disk_cache_dir"] = (cache_dir and __import__("pathlib").Path(cache_dir) or
                                         default_cache_dir()) / "kv"
         adapter = resolve_adapter(adapter, info.name)
+        links = resolve_links(links, info.name)
         return cls(model, tok, EngineConfig(**config), model_name=info.name, model_fingerprint=info.fingerprint,
-                   tokenizer_fingerprint=info.tokenizer_fingerprint, adapter=adapter)
+                   tokenizer_fingerprint=info.tokenizer_fingerprint, adapter=adapter, links=links)
 
     # -- public API ------------------------------------------------------------------------------------
     def precompute(self, docs: Iterable[Any], strategy: str | Strategy | None = None, *,
@@ -696,12 +712,17 @@ class FusionEngine:
         return self.doc_cache.stats()
 
     def layout(self, question: str | None = None, docs: Iterable[Any] = (), *,
-               question_ids: Sequence[int] | None = None) -> PromptLayout:
-        """The token layout a request would use (no computation); arguments as `generate`."""
+               question_ids: Sequence[int] | None = None, strategy: str | Strategy = "full") -> PromptLayout:
+        """The token layout a request of `strategy` would use (no computation); arguments as `generate`. A fused
+        strategy's carries the engine's link rows after every document, when it has some."""
         docs = self._documents(docs)
         question = self._question(question, question_ids)
         return self.prompts.build(question, [self.prompts.encode_document(d) for d in docs],
-                                  [self.prompts.encode_title(d) for d in docs])
+                                  [self.prompts.encode_title(d) for d in docs], self._links_for(make_strategy(strategy)))
+
+    def _links_for(self, strat: Strategy) -> list[int] | None:
+        """The link rows' placeholder ids a request of `strat` is laid out with (engine/links.py), or None."""
+        return self._link_ids if self._link_ids is not None and applies_to(strat) else None
 
     def serving_stats(self) -> dict[str, int]:
         """Scheduler gauges for a server's metrics: `running` (requests decoding), `queued` (waiting for a slot),
@@ -786,7 +807,8 @@ class FusionEngine:
         """
         if doc_ids is None:
             doc_ids = self._encode_documents(docs)
-        layout = self.prompts.build(question, doc_ids, [self.prompts.encode_title(d) for d in docs])
+        layout = self.prompts.build(question, doc_ids, [self.prompts.encode_title(d) for d in docs],
+                                    self._links_for(strat))
         return self._lay_out(layout, docs, doc_ids, strat, reserve)
 
     def _lay_out(self, layout: PromptLayout, docs: list[Document], doc_ids: list[list[int]], strat: Strategy,
@@ -837,6 +859,7 @@ class FusionEngine:
             parts.append(content[at:])
             rendered.append({"role": m["role"], "content": "".join(parts)})
         text = self.prompts.render_chat(rendered)
+        links = self._links_for(strat)
         pieces: list[tuple[str, list[int]]] = []
         for i, chunk in enumerate(_DOC_SPLIT.split(text)):
             if i % 2 == 0:
@@ -846,6 +869,8 @@ class FusionEngine:
                 pieces.append(("doc", ids[:keep] if keep is not None else ids))
                 if rest:
                     pieces.append(("text", rest))
+                if links:
+                    pieces.append(("text", list(links)))
         if not pieces[0][1]:
             raise ValueError("a chat prompt must not start with a document: nothing would precede it")
         if not pieces[-1][1]:

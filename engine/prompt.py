@@ -267,8 +267,8 @@ class PromptBuilder:
         """Token ids of a document's title line (computed before its body, never cached); [] without a title."""
         return self._encode(f"{doc.title}\n") if doc.title else []
 
-    def build(self, question: str | list[int], doc_ids: list[list[int]], title_ids: list[list[int]] | None = None
-              ) -> PromptLayout:
+    def build(self, question: str | list[int], doc_ids: list[list[int]], title_ids: list[list[int]] | None = None,
+              links: list[int] | None = None) -> PromptLayout:
         """Lays out prefix, documents (already tokenized) and question.
 
         Args:
@@ -277,6 +277,7 @@ class PromptBuilder:
                 header included).
             doc_ids: token ids of each document, from `encode_document`.
             title_ids: token ids of each document's title line (`encode_title`), placed before it as glue.
+            links: placeholder ids of the link rows (engine/links.py) written after every document, as glue.
         """
         if isinstance(question, str):
             if not question.strip():
@@ -293,5 +294,7 @@ class PromptBuilder:
             if title_ids and title_ids[i]:
                 pieces.append(("text", list(title_ids[i])))
             pieces.append(("doc", list(ids)))
+            if links:
+                pieces.append(("text", list(links)))
         pieces.append(("text", tail))
         return PromptLayout.from_pieces(pieces, prefix_cached=True)

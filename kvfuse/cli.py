@@ -48,12 +48,13 @@ def _engine(args):
             config[name] = getattr(args, name)
     return FusionEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype,
                                         cache_dir=args.cache_dir, disk_cache=not getattr(args, "no_disk_cache", False),
-                                        adapter=_adapter_arg(getattr(args, "adapter", None)), **config)
+                                        adapter=_adapter_arg(getattr(args, "adapter", None)),
+                                        links=_adapter_arg(getattr(args, "links", None)), **config)
 
 
 def _adapter_arg(value):
-    """--adapter: "auto" (the default, also for commands without the option), "none", "packaged" or a file path
-    (resolved and checked by `from_pretrained`)."""
+    """--adapter or --links: "auto" (the default, also for commands without the option), "none", "packaged" or a
+    file path (resolved and checked by `from_pretrained`)."""
     return "auto" if value is None else value
 
 
@@ -105,6 +106,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--adapter", default="auto",
                    help="fusion adapter: 'auto' (default: the one shipped for the model, if any), 'none', 'packaged' "
                         "(shipped for the model, or an error), or a .safetensors file from `kvfuse train-adapter`")
+    p.add_argument("--links", default="auto",
+                   help="link rows after every cached document of a fused prompt: 'auto' (default: those shipped "
+                        "for the model, if any), 'none', 'packaged', or a .safetensors file from `kvfuse train-links`")
     p.add_argument("--redis-url", default=os.environ.get("KVFUSE_REDIS_URL") or None,
                    help="a Redis server shared by several engines as a cache tier behind memory and disk, e.g. "
                         "redis://host:6379/0 (default: $KVFUSE_REDIS_URL, else none; needs the redis extra)")
@@ -537,7 +541,6 @@ def cmd_route(args) -> int:
 
 def cmd_train_adapter(args) -> int:
     from kvfuse.engine.validate import check_int, check_real
-    from kvfuse.evaluation.data import read_jsonl, select_examples
     from kvfuse.evaluation.runner import load_engine
     from kvfuse.training.distill import TrainConfig, train_adapter
 
@@ -564,17 +567,7 @@ def cmd_train_adapter(args) -> int:
     if not str(args.out).endswith(".safetensors"):
         raise CliError(f"--out must name a .safetensors file, got {args.out!r}")
     targets = tuple(t for t in args.targets.split(",") if t)
-    datasets = [d for d in args.datasets.split(",") if d]
-    examples = read_jsonl(args.data)
-    train, held = [], []
-    for name in datasets:  # everything after the reported split, in the evaluation's own seeded order
-        order = select_examples(examples, datasets=[name], limit=None, seed=0)
-        if not order:
-            raise CliError(f"dataset {name!r} has no examples under {args.data}")
-        held.extend(order[args.reported:args.reported + args.holdout])
-        train.extend(order[args.reported + args.holdout:])
-    if not train:
-        raise CliError("no training examples left after the reported split")
+    datasets, train, held = _training_split(args)
     cfg = TrainConfig(rank=args.rank, targets=targets, steps=args.steps, lr=args.lr, seed=args.seed,
                       max_doc_tokens=args.max_doc_tokens, stage=args.stage, batch=args.batch,
                       max_seconds=args.max_seconds, ratios=ratios, strategy=args.strategy,
@@ -589,13 +582,77 @@ def cmd_train_adapter(args) -> int:
                             resume=args.resume, eval_examples=held or None)
     except ValueError as exc:
         raise CliError(str(exc)) from None
+    _write_record(args, rec, datasets, train, held, "train-adapter")
+    return 0
+
+
+def _training_split(args):
+    """(datasets, training examples, held-out examples) of a training command: everything after the reported split
+    of each dataset, in the evaluation's own seeded order, the first `--holdout` of it held out."""
+    from kvfuse.evaluation.data import read_jsonl, select_examples
+
+    datasets = [d for d in args.datasets.split(",") if d]
+    examples = read_jsonl(args.data)
+    train, held = [], []
+    for name in datasets:
+        order = select_examples(examples, datasets=[name], limit=None, seed=0)
+        if not order:
+            raise CliError(f"dataset {name!r} has no examples under {args.data}")
+        held.extend(order[args.reported:args.reported + args.holdout])
+        train.extend(order[args.reported + args.holdout:])
+    if not train:
+        raise CliError("no training examples left after the reported split")
+    return datasets, train, held
+
+
+def _write_record(args, rec: dict, datasets, train, held, command: str) -> None:
     rec["data"] = {"folder": str(args.data), "datasets": datasets, "reported_per_dataset": args.reported,
                    "held_out_per_dataset": args.holdout, "held_out_ids": [ex.id for ex in held],
                    "train_ids": [ex.id for ex in train]}
-    rec["command"] = "kvfuse train-adapter " + " ".join(sys.argv[2:])
+    rec["command"] = f"kvfuse {command} " + " ".join(sys.argv[2:])
     import pathlib
 
     pathlib.Path(args.out).with_suffix(".json").write_text(json.dumps(rec, indent=1))
+
+
+def cmd_train_links(args) -> int:
+    from kvfuse.engine.validate import check_int, check_real
+    from kvfuse.evaluation.runner import load_engine
+    from kvfuse.training.links import LinksConfig, train_links
+
+    check_int(args.k, "--k", minimum=1, maximum=64)
+    check_int(args.steps, "--steps", minimum=1)
+    check_int(args.reported, "--reported", minimum=0)
+    check_int(args.max_doc_tokens, "--max-doc-tokens", minimum=16)
+    check_real(args.lr, "--lr", low=1e-8, high=1.0)
+    check_int(args.holdout, "--holdout", minimum=0)
+    check_int(args.eval_every, "--eval-every", minimum=0)
+    check_int(args.eval_prompts, "--eval-prompts", minimum=1)
+    if bool(args.holdout) != bool(args.eval_every):
+        raise CliError("--holdout and --eval-every go together (held-out examples, and how often to measure them)")
+    ratios = tuple(_ratios(args.ratios, "--ratios"))
+    from kvfuse.engine.fusion import available, make_strategy
+    from kvfuse.engine.links import applies_to
+
+    if args.strategy not in available() or not applies_to(make_strategy(args.strategy)):
+        raise CliError(f"--strategy must be a strategy that reads caches in place (one of {', '.join(available())} "
+                       f"but full, sift and coinrag), got {args.strategy!r}")
+    if not str(args.out).endswith(".safetensors"):
+        raise CliError(f"--out must name a .safetensors file, got {args.out!r}")
+    datasets, train, held = _training_split(args)
+    cfg = LinksConfig(k=args.k, steps=args.steps, lr=args.lr, seed=args.seed, ratios=ratios, strategy=args.strategy,
+                      max_doc_tokens=args.max_doc_tokens, eval_every=args.eval_every, eval_prompts=args.eval_prompts)
+    _check_model_args(args)
+    engine = load_engine(args.model, device=args.device, dtype=args.dtype, prompt=args.prompt, adapter=args.adapter,
+                         links=None)
+    print(f"kvfuse: training {args.k} link rows for {engine.model_name} on {len(train)} examples "
+          f"({', '.join(datasets)}, after the first {args.reported} of each), {args.steps} steps", file=sys.stderr)
+    try:
+        rec = train_links(engine, train, cfg, args.out, log=lambda m: print(m, file=sys.stderr, flush=True),
+                          eval_examples=held or None)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    _write_record(args, rec, datasets, train, held, "train-links")
     return 0
 
 
@@ -804,6 +861,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="the adapter file to write (.safetensors; a .json record beside it)")
     _add_model_args(p)
     p.set_defaults(func=cmd_train_adapter)
+
+    p = sub.add_parser("train-links", help="train link rows by self-distillation from full prefill (a few "
+                                            "learned rows after every cached document, computed per request)")
+    p.add_argument("--data", required=True, help="folder of evaluation JSONL files (the dev data)")
+    p.add_argument("--datasets", default="2wikimqa,hotpotqa,musique", help="datasets to train on (comma separated)")
+    p.add_argument("--reported", type=int, default=60,
+                   help="the first N examples per dataset of the evaluation's seeded order are never trained on")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--k", type=int, default=8, help="link rows per document (default 8)")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--max-doc-tokens", type=int, default=900, help="document tokens per training prompt at most")
+    p.add_argument("--ratios", default="0,0.15", help="recompute ratios the student samples (default 0,0.15)")
+    p.add_argument("--strategy", default="infoflow", help="the strategy whose selection the student recomputes")
+    p.add_argument("--holdout", type=int, default=0,
+                   help="examples per dataset right after the reported split kept out of training and used to pick "
+                        "the rows written: the lowest held-out KL (with --eval-every)")
+    p.add_argument("--eval-every", type=int, default=0, dest="eval_every")
+    p.add_argument("--eval-prompts", type=int, default=24, dest="eval_prompts")
+    p.add_argument("--prompt", default="qa", help="prompt preset (as `kvfuse eval --prompt`; default qa)")
+    p.add_argument("--out", required=True, help="the file to write (.safetensors; a .json record beside it)")
+    _add_model_args(p)
+    p.set_defaults(func=cmd_train_links)
 
     p = sub.add_parser("front", help="build the measured quality/TTFT front strategy='auto' reads, from a kvfuse "
                                       "eval summary and TTFT sources")

@@ -53,14 +53,15 @@ def tiny_family(request) -> str:
 
 @pytest.fixture
 def tiny_engine():
-    """Factory: `tiny_engine(family="llama", **config) -> FusionEngine` (fp32, CPU, fresh caches)."""
+    """Factory: `tiny_engine(family="llama", adapter=None, links=None, **config) -> FusionEngine` (fp32, CPU, fresh
+    caches)."""
     import torch
 
     made = []
 
-    def factory(family: str = "llama", adapter=None, **config):
+    def factory(family: str = "llama", adapter=None, links=None, **config):
         model, tok, info = fixtures.load_tiny(family, dtype=torch.float32)
-        engine = fixtures.engine_from(model, tok, info, adapter=adapter, **config)
+        engine = fixtures.engine_from(model, tok, info, adapter=adapter, links=links, **config)
         made.append(engine)
         return engine
 

@@ -337,12 +337,13 @@ def real_model_dir(name: str, dtype: torch.dtype = torch.bfloat16) -> Path:
     return weights.resolve_model(name, dtype=dtype, progress=False)
 
 
-def engine_from(model, tok, info, adapter=None, **config):
-    """A FusionEngine over a loaded (model, tokenizer, info) with EngineConfig fields `config` (and a fusion adapter)."""
+def engine_from(model, tok, info, adapter=None, links=None, **config):
+    """A FusionEngine over a loaded (model, tokenizer, info) with EngineConfig fields `config` (and a fusion adapter,
+    link rows)."""
     from kvfuse.engine.api import FusionEngine
     from kvfuse.engine.config import EngineConfig
 
-    return FusionEngine(model, tok, EngineConfig(**config), model_name=info.name, adapter=adapter,
+    return FusionEngine(model, tok, EngineConfig(**config), model_name=info.name, adapter=adapter, links=links,
                         model_fingerprint=info.fingerprint, tokenizer_fingerprint=info.tokenizer_fingerprint)
 
 

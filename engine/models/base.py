@@ -178,9 +178,17 @@ class Decoder:
         self.device = self.embed.device
 
     # -- the seam ---------------------------------------------------------------------------------------
+    links: Tensor | None = None  # [K, hidden] learned rows for the ids vocab .. vocab + K - 1 (engine/links.py)
+
     def embed_tokens(self, ids: Tensor) -> Tensor:
-        """ids [T] -> hidden [T, hidden]."""
-        return F.embedding(ids, self.embed)
+        """ids [T] -> hidden [T, hidden]. With `links` set, id vocab + j is link row j (no host read: graph-safe)."""
+        links = self.links
+        if links is None:
+            return F.embedding(ids, self.embed)
+        vocab = self.spec.vocab
+        h = F.embedding(ids.clamp(max=vocab - 1), self.embed)
+        slot = (ids - vocab).clamp(0, links.shape[0] - 1)
+        return torch.where((ids >= vocab)[:, None], links.index_select(0, slot).to(h.dtype), h)
 
     def project(self, i: int, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Layer i's input norm and q/k/v projections, before RoPE.

@@ -84,6 +84,10 @@ def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "serves it), 'none', 'packaged' (shipped for the model), or a .safetensors file; "
                         "runs with one are recorded as '<strategy>+adapter' beside those without, and the report "
                         "shows both when both are on record")
+    p.add_argument("--links", default=None,
+                   help="link rows (engine/links.py): 'auto' (default: those shipped for the model, if any, as the "
+                        "engine serves them), 'none', 'packaged', or a .safetensors file; runs with them are recorded "
+                        "as '<strategy>+links' (after any adapter tag)")
     p.add_argument("--guard", metavar="M,N",
                    help="also run every strategy with these guard margins (nats; GenerationOptions.guard_margin: a "
                         "near-tie on the fused path hands the answer to full prefill there), recorded as "
@@ -198,6 +202,7 @@ def _resolve(args: argparse.Namespace) -> dict[str, Any]:
         "prompt": str(get("prompt")),
         "out": None if out is None else Path(out),
         "adapter": getattr(args, "adapter", None) or "auto",
+        "links": getattr(args, "links", None) or "auto",
         "device": getattr(args, "device", None),
         "dtype": getattr(args, "dtype", None),
         "pareto_x": getattr(args, "pareto_x", None) or "fraction",
@@ -209,6 +214,20 @@ def _resolve(args: argparse.Namespace) -> dict[str, Any]:
 
 ADAPTER_TAG = "+adapter"  # runs with an offline fusion adapter (documents computed with it)
 ONLINE_TAG = "+online"    # runs with an online one (the fused prefill's computed rows run it)
+LINKS_TAG = "+links"      # runs whose fused prompts carry link rows
+
+
+def _links_for(value: str, model: str) -> Any:
+    """--links resolved and read before any model work (a clear error for a missing or malformed file): the
+    LinkRows the engine will run, or None."""
+    from kvfuse.engine.links import load_links, resolve_links
+    from kvfuse.engine.weights import registry_name
+
+    try:
+        path = resolve_links(value, registry_name(model) or model)
+    except ValueError as exc:
+        raise ValueError(f"--links {value}: {exc}") from None
+    return None if path is None else load_links(path)
 
 
 def _adapter_for(value: str, model: str) -> Any:
@@ -254,10 +273,11 @@ def run_eval(args: argparse.Namespace, engine_factory: Any = None) -> int:
         raise ValueError("no examples selected (check --datasets / --limit)")
     configs = build_configs(opt["strategies"], opt["ratios"], opt["guards"], opt["guard_tokens"], opt["guard_at"])
     adapter = _adapter_for(opt["adapter"], opt["model"])
+    links = _links_for(opt["links"], opt["model"])
     if engine_factory is None:
         def engine_factory() -> Any:
             engine = load_engine(opt["model"], device=opt["device"], dtype=opt["dtype"], prompt=opt["prompt"],
-                                 adapter=adapter)
+                                 adapter=adapter, links=links)
             if any(_variant_strategy(name) for name in _offline_strategies(configs)):
                 attach_corpus(engine, examples)  # fusionrag: neighbours from the selected examples' passages
             return engine
@@ -273,7 +293,7 @@ def run_eval(args: argparse.Namespace, engine_factory: Any = None) -> int:
     def make_runner() -> EvalRunner:
         return EvalRunner(engine_factory, out, model=opt["model"], max_new_tokens=opt["max_new_tokens"],
                           seed=opt["seed"], progress=opt["progress"], extra=extra, prompt=opt["prompt"],
-                          adapter_tag=_adapter_tag(adapter))
+                          adapter_tag=_adapter_tag(adapter), links_tag=LINKS_TAG if links is not None else "")
 
     runner = make_runner()
     if runner.store.bad_lines:
@@ -289,7 +309,9 @@ def run_eval(args: argparse.Namespace, engine_factory: Any = None) -> int:
         return c.strategy + tag + c.guard_tag
 
     labels = [(c, label(c)) for c in configs] + [(c, label(c, tag)) for c in configs
-                                                 for tag in (ADAPTER_TAG, ONLINE_TAG) if c.strategy != "full"]
+                                                 for tag in (ADAPTER_TAG, ONLINE_TAG, LINKS_TAG,
+                                                             ADAPTER_TAG + LINKS_TAG, ONLINE_TAG + LINKS_TAG)
+                                                 if c.strategy != "full"]
     keys = [record_key(e.id, label, c.ratio, opt["model"], opt["max_new_tokens"], opt["prompt"], opt["dtype"])
             for e in examples
             for c, label in labels]

@@ -270,9 +270,9 @@ class RunStats:
 
 
 def load_engine(model: str, device: str | None = None, dtype: str | None = None, prompt: str = "qa",
-                adapter: Any = None) -> Any:
-    """`FusionEngine.from_pretrained(model, device=..., dtype=..., prompt=PROMPT_PRESETS[prompt], adapter=...)`
-    (device and dtype only when given)."""
+                adapter: Any = None, links: Any = "auto") -> Any:
+    """`FusionEngine.from_pretrained(model, device=..., dtype=..., prompt=PROMPT_PRESETS[prompt], adapter=...,
+    links=...)` (device and dtype only when given)."""
     try:
         from kvfuse.engine.api import FusionEngine
         from kvfuse.engine.prompt import PROMPT_PRESETS
@@ -282,7 +282,8 @@ def load_engine(model: str, device: str | None = None, dtype: str | None = None,
         raise ValueError(f"unknown prompt {prompt!r}; available: {', '.join(PROMPT_PRESETS)}")
     # every strategy is measured as itself: a request never switches to full prefill for documents without a
     # cache (the harness precomputes them anyway; an eviction must not turn a strategy's row into full's answers)
-    kwargs: dict[str, Any] = {"prompt": PROMPT_PRESETS[prompt], "adapter": adapter, "cold_documents": "compute"}
+    kwargs: dict[str, Any] = {"prompt": PROMPT_PRESETS[prompt], "adapter": adapter, "links": links,
+                              "cold_documents": "compute"}
     if device:
         kwargs["device"] = device
     if dtype:
@@ -319,6 +320,14 @@ def _reads_cache(spec: str) -> bool:
     return make_strategy(spec).uses_cache
 
 
+def _links_apply(spec: str) -> bool:
+    """Whether a request of the strategy `spec` names is laid out with the engine's link rows (engine/links.py)."""
+    from kvfuse.engine.fusion import make_strategy
+    from kvfuse.engine.links import applies_to
+
+    return applies_to(make_strategy(spec))
+
+
 class EvalRunner:
     """Runs configs over examples with one engine; resumable through `RecordStore`.
 
@@ -339,7 +348,7 @@ class EvalRunner:
     def __init__(self, engine_factory: Callable[[], Any], out_dir: str | Path, model: str,
                  max_new_tokens: int = 32, seed: int = 0, selfcheck_examples: int = 2, warmup: bool = True,
                  progress: bool = True, extra: dict[str, Any] | None = None, prompt: str = "qa",
-                 adapter_tag: str = "") -> None:
+                 adapter_tag: str = "", links_tag: str = "") -> None:
         if max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
         self.engine_factory = engine_factory
@@ -353,6 +362,7 @@ class EvalRunner:
         self.progress = progress
         self.extra = dict(extra or {})
         self.adapter_tag = adapter_tag  # "+adapter" when the engine computes documents with a fusion adapter
+        self.links_tag = links_tag  # "+links" when the engine lays fused prompts out with link rows
         self.store = RecordStore(self.out_dir)
         self.engine: Any = None
         self._seen_passages: set[str] = set()
@@ -362,9 +372,12 @@ class EvalRunner:
         """The strategy as recorded: with the adapter tag, except for strategies that read no cache (`full`, sift:
         the base model whatever the adapter)."""
         guard = cfg.guard_tag
-        if cfg.strategy == REFERENCE or not self.adapter_tag:
+        if cfg.strategy == REFERENCE or not (self.adapter_tag or self.links_tag):
             return cfg.strategy + guard
-        return (cfg.strategy + self.adapter_tag if _reads_cache(cfg.strategy) else cfg.strategy) + guard
+        tag = self.adapter_tag if _reads_cache(cfg.strategy) else ""
+        if self.links_tag and _links_apply(cfg.strategy):
+            tag += self.links_tag
+        return cfg.strategy + tag + guard
 
     def key(self, example: Example, cfg: Config) -> tuple:
         return record_key(example.id, self.label(cfg), cfg.ratio, self.model, self.max_new_tokens, self.prompt,
