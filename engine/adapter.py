@@ -157,20 +157,26 @@ class FusionAdapter:
         return h.hexdigest()
 
 
-def load_adapter(path: str | Path) -> FusionAdapter:
-    """Reads an adapter file (safetensors; nothing unpickled). Raises ValueError for a file that is not one."""
+def read_tensor_file(path: str | Path, what: str) -> tuple[dict[str, str], dict[str, Tensor]]:
+    """(metadata, tensors) of a safetensors file (nothing unpickled). Raises ValueError naming `what` (e.g.
+    "adapter") for a missing or unreadable file."""
     from safetensors import safe_open
 
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"adapter file {str(path)!r} does not exist")
+        raise ValueError(f"{what} file {str(path)!r} does not exist")
     try:
         with safe_open(str(path), framework="pt") as f:
-            meta = dict(f.metadata() or {})
-            names = list(f.keys())
-            raw = {k: f.get_tensor(k) for k in names}
+            return dict(f.metadata() or {}), {k: f.get_tensor(k) for k in f.keys()}
     except Exception as exc:  # noqa: BLE001 - any unreadable file is one clear error
-        raise ValueError(f"{str(path)!r} is not a readable adapter file: {exc}") from None
+        raise ValueError(f"{str(path)!r} is not a readable {what} file: {exc}") from None
+
+
+def load_adapter(path: str | Path) -> FusionAdapter:
+    """Reads an adapter file (safetensors; nothing unpickled). Raises ValueError for a file that is not one."""
+    path = Path(path)
+    meta, raw = read_tensor_file(path, "adapter")
+    names = list(raw)
     if meta.get("format") != "kvfuse-fusion-adapter-1":
         raise ValueError(f"{str(path)!r} is not a kvfuse fusion adapter (metadata format={meta.get('format')!r})")
     try:
@@ -235,14 +241,20 @@ def resolve_adapter(value, model_name: str):
     - "packaged": the shipped one (ValueError when `model_name` has none);
     - a path or a FusionAdapter: itself (a path is read, and refused with a clear error, by `load_adapter`).
     """
+    return resolve_packaged(value, model_name, packaged_adapter, "fusion adapter is", "kvfuse train-adapter")
+
+
+def resolve_packaged(value, model_name: str, packaged, what: str, train: str):
+    """"auto" -> `packaged(model_name)` (a Path or None); None or "none" -> None; "packaged" -> the shipped file
+    (ValueError naming `what` and the `train` command when there is none); anything else -> itself."""
     if value is None or (isinstance(value, str) and value.lower() == "none"):
         return None
     if isinstance(value, str) and value == "auto":
-        return packaged_adapter(model_name)
+        return packaged(model_name)
     if isinstance(value, str) and value == "packaged":
-        path = packaged_adapter(model_name)
+        path = packaged(model_name)
         if path is None:
-            raise ValueError(f"no fusion adapter is shipped for {model_name!r} (train one: kvfuse train-adapter)")
+            raise ValueError(f"no {what} shipped for {model_name!r} (train one: {train})")
         return path
     return value
 

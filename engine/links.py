@@ -81,21 +81,14 @@ class LinkRows:
 
 def load_links(path: str | Path) -> LinkRows:
     """Reads a link-rows file (safetensors; nothing unpickled). Raises ValueError for a file that is not one."""
-    from safetensors import safe_open
+    from .adapter import read_tensor_file
 
     path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"link rows file {str(path)!r} does not exist")
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = dict(f.metadata() or {})
-            names = list(f.keys())
-            vectors = f.get_tensor("links") if "links" in names else None
-    except Exception as exc:  # noqa: BLE001 - any unreadable file is one clear error
-        raise ValueError(f"{str(path)!r} is not a readable link rows file: {exc}") from None
+    meta, raw = read_tensor_file(path, "link rows")
     if meta.get("format") != FORMAT:
         raise ValueError(f"{str(path)!r} is not a kvfuse link rows file (metadata format={meta.get('format')!r})")
-    if vectors is None or names != ["links"]:
+    vectors = raw.get("links")
+    if vectors is None or list(raw) != ["links"]:
         raise ValueError(f"{str(path)!r} is a malformed link rows file: it must hold one tensor, 'links'")
     meta.pop("format")
     return LinkRows(vectors, meta)
@@ -113,16 +106,9 @@ def resolve_links(value, model_name: str):
     """What `from_pretrained(links=...)` and the CLIs' `--links` name, before any model work: "auto" (the default:
     the file shipped for `model_name`, else None), None or "none" (no links), "packaged" (the shipped file; ValueError
     when there is none), or a path or a LinkRows (itself; a path is read by `load_links`)."""
-    if value is None or (isinstance(value, str) and value.lower() == "none"):
-        return None
-    if isinstance(value, str) and value == "auto":
-        return packaged_links(model_name)
-    if isinstance(value, str) and value == "packaged":
-        path = packaged_links(model_name)
-        if path is None:
-            raise ValueError(f"no link rows are shipped for {model_name!r} (train them: kvfuse train-links)")
-        return path
-    return value
+    from .adapter import resolve_packaged
+
+    return resolve_packaged(value, model_name, packaged_links, "link rows are", "kvfuse train-links")
 
 
 def applies_to(strategy) -> bool:

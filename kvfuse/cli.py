@@ -544,17 +544,9 @@ def cmd_train_adapter(args) -> int:
     from kvfuse.evaluation.runner import load_engine
     from kvfuse.training.distill import TrainConfig, train_adapter
 
-    check_int(args.steps, "--steps", minimum=1)
+    _check_training_args(args)
     check_int(args.rank, "--rank", minimum=1)
-    check_int(args.reported, "--reported", minimum=0)
-    check_int(args.max_doc_tokens, "--max-doc-tokens", minimum=16)
-    check_real(args.lr, "--lr", low=1e-8, high=1.0)
     check_int(args.batch, "--batch", minimum=1)
-    check_int(args.holdout, "--holdout", minimum=0)
-    check_int(args.eval_every, "--eval-every", minimum=0)
-    check_int(args.eval_prompts, "--eval-prompts", minimum=1)
-    if bool(args.holdout) != bool(args.eval_every):
-        raise CliError("--holdout and --eval-every go together (held-out examples, and how often to measure them)")
     check_real(args.max_seconds, "--max-seconds", low=0.0, high=1e7)
     check_real(args.first_token_weight, "--first-token-weight", low=1e-3, high=1e3)
     check_real(args.checkpoint_every, "--checkpoint-every", low=0.0, high=1e7)
@@ -584,6 +576,33 @@ def cmd_train_adapter(args) -> int:
         raise CliError(str(exc)) from None
     _write_record(args, rec, datasets, train, held, "train-adapter")
     return 0
+
+
+def _add_training_args(p: argparse.ArgumentParser, steps: int, lr: float) -> None:
+    """The data and optimisation options every training command takes."""
+    p.add_argument("--data", required=True, help="folder of evaluation JSONL files (the dev data)")
+    p.add_argument("--datasets", default="2wikimqa,hotpotqa,musique", help="datasets to train on (comma separated)")
+    p.add_argument("--reported", type=int, default=60,
+                   help="the first N examples per dataset of the evaluation's seeded order are the reported split "
+                        "and are never trained on (default 60, `kvfuse eval --limit 60`)")
+    p.add_argument("--seed", type=int, default=0, help="training seed; the reported split uses `kvfuse eval`'s seed 0")
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--lr", type=float, default=lr)
+
+
+def _check_training_args(args) -> None:
+    """The options every training command takes, checked before any model work."""
+    from kvfuse.engine.validate import check_int, check_real
+
+    check_int(args.steps, "--steps", minimum=1)
+    check_int(args.reported, "--reported", minimum=0)
+    check_int(args.max_doc_tokens, "--max-doc-tokens", minimum=16)
+    check_real(args.lr, "--lr", low=1e-8, high=1.0)
+    check_int(args.holdout, "--holdout", minimum=0)
+    check_int(args.eval_every, "--eval-every", minimum=0)
+    check_int(args.eval_prompts, "--eval-prompts", minimum=1)
+    if bool(args.holdout) != bool(args.eval_every):
+        raise CliError("--holdout and --eval-every go together (held-out examples, and how often to measure them)")
 
 
 def _training_split(args):
@@ -616,20 +635,12 @@ def _write_record(args, rec: dict, datasets, train, held, command: str) -> None:
 
 
 def cmd_train_links(args) -> int:
-    from kvfuse.engine.validate import check_int, check_real
+    from kvfuse.engine.validate import check_int
     from kvfuse.evaluation.runner import load_engine
     from kvfuse.training.links import LinksConfig, train_links
 
+    _check_training_args(args)
     check_int(args.k, "--k", minimum=1, maximum=64)
-    check_int(args.steps, "--steps", minimum=1)
-    check_int(args.reported, "--reported", minimum=0)
-    check_int(args.max_doc_tokens, "--max-doc-tokens", minimum=16)
-    check_real(args.lr, "--lr", low=1e-8, high=1.0)
-    check_int(args.holdout, "--holdout", minimum=0)
-    check_int(args.eval_every, "--eval-every", minimum=0)
-    check_int(args.eval_prompts, "--eval-prompts", minimum=1)
-    if bool(args.holdout) != bool(args.eval_every):
-        raise CliError("--holdout and --eval-every go together (held-out examples, and how often to measure them)")
     ratios = tuple(_ratios(args.ratios, "--ratios"))
     from kvfuse.engine.fusion import available, make_strategy
     from kvfuse.engine.links import applies_to
@@ -822,14 +833,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train-adapter", help="train a fusion adapter by self-distillation from full prefill "
                                              "(documents computed with it serve closer to full prefill)")
-    p.add_argument("--data", required=True, help="folder of evaluation JSONL files (the dev data)")
-    p.add_argument("--datasets", default="2wikimqa,hotpotqa,musique", help="datasets to train on (comma separated)")
-    p.add_argument("--reported", type=int, default=60,
-                   help="the first N examples per dataset of the evaluation's seeded order are the reported split "
-                        "and are never trained on (default 60, `kvfuse eval --limit 60`)")
-    p.add_argument("--seed", type=int, default=0, help="training seed; the reported split uses `kvfuse eval`'s seed 0")
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--lr", type=float, default=3e-4)
+    _add_training_args(p, steps=200, lr=3e-4)
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--targets", default="q,k,v,o,gate,up,down", help="projections adapted (comma separated)")
     p.add_argument("--max-doc-tokens", type=int, default=900, help="document tokens per training prompt at most")
@@ -864,14 +868,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train-links", help="train link rows by self-distillation from full prefill (a few "
                                             "learned rows after every cached document, computed per request)")
-    p.add_argument("--data", required=True, help="folder of evaluation JSONL files (the dev data)")
-    p.add_argument("--datasets", default="2wikimqa,hotpotqa,musique", help="datasets to train on (comma separated)")
-    p.add_argument("--reported", type=int, default=60,
-                   help="the first N examples per dataset of the evaluation's seeded order are never trained on")
-    p.add_argument("--seed", type=int, default=0)
+    _add_training_args(p, steps=300, lr=3e-3)
     p.add_argument("--k", type=int, default=8, help="link rows per document (default 8)")
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--max-doc-tokens", type=int, default=900, help="document tokens per training prompt at most")
     p.add_argument("--ratios", default="0,0.15", help="recompute ratios the student samples (default 0,0.15)")
     p.add_argument("--strategy", default="infoflow", help="the strategy whose selection the student recomputes")

@@ -14,6 +14,7 @@ adapter) so what is trained is what is served.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -33,7 +34,7 @@ from ..engine.runner import Segment
 from ..engine.store import DocKV
 from ..kernels.rope import apply_rope_reference
 
-__all__ = ["TrainConfig", "forward_rows", "student_logprobs", "teacher_logprobs", "train_adapter", "training_prompts"]
+__all__ = ["PromptsConfig", "TrainConfig", "held_out_prompts", "forward_rows", "student_logprobs", "teacher_logprobs", "train_adapter", "training_prompts"]
 
 
 def forward_rows(dec, ids: Tensor, pos: Tensor, cos: Tensor, sin: Tensor,
@@ -181,17 +182,38 @@ def strategy_selection(engine, layout, doc_kv, strategy: str, ratio: float, runn
 
 
 @dataclass
-class TrainConfig:
-    """One training run (recorded with the adapter).
+class PromptsConfig:
+    """What every self-distillation run has (the fusion adapter's `TrainConfig`, link rows' `LinksConfig`).
 
     Attributes:
-        rank / alpha / targets: the adapter's shape.
-        steps / lr / warmup / seed: the optimisation (AdamW, linear warm-up then cosine decay).
+        steps / lr / warmup / seed: the optimisation (linear warm-up then cosine decay).
         ratios: recompute ratios the student samples per step (0 = pure reuse).
         strategy: the strategy whose selection the student recomputes.
         min_docs / max_docs / max_doc_tokens: the prompts built from an example (a random subset of its passages,
             in random order, trimmed to `max_doc_tokens` document tokens).
         answer_tokens: the teacher's greedy answer length at most.
+        eval_every: steps between held-out measurements (0: never).
+    """
+
+    steps: int = 200
+    lr: float = 3e-4
+    warmup: int = 10
+    seed: int = 0
+    ratios: tuple[float, ...] = (0.0, 0.15)
+    strategy: str = "infoflow"
+    min_docs: int = 3
+    max_docs: int = 8
+    max_doc_tokens: int = 900
+    answer_tokens: int = 16
+    eval_every: int = 0
+
+
+@dataclass
+class TrainConfig(PromptsConfig):
+    """One training run (recorded with the adapter): `PromptsConfig`'s fields (AdamW here) and
+
+    Attributes:
+        rank / alpha / targets: the adapter's shape.
         stage: where the adapter acts, "offline" or "online" (engine/adapter.py).
         batch: prompts per optimiser step (their losses averaged).
         max_seconds: stop early (and save) after this much training time, counted over resumed runs too; 0 for no
@@ -207,21 +229,10 @@ class TrainConfig:
     rank: int = 8
     alpha: float = 16.0
     targets: tuple[str, ...] = TARGETS
-    steps: int = 200
-    lr: float = 3e-4
-    warmup: int = 10
-    seed: int = 0
-    ratios: tuple[float, ...] = (0.0, 0.15)
-    strategy: str = "infoflow"
-    min_docs: int = 3
-    max_docs: int = 8
-    max_doc_tokens: int = 900
-    answer_tokens: int = 16
     stage: str = "offline"
     batch: int = 1
     max_seconds: float = 0.0
     checkpoint_seconds: float = 0.0
-    eval_every: int = 0
     eval_prompts: int = 16
     first_token_weight: float = 1.0
 
@@ -326,6 +337,33 @@ def training_prompts(examples, cfg: TrainConfig, tokenizer_len: Callable[[str], 
         yield ex, docs
 
 
+def full_teacher(engine, question: str, docs, answer_tokens: int):
+    """(full's greedy answer, the teacher's log-probs over it, through the engine's own full prefill:
+    `teacher_logprobs` computes the same with the plain forward, tests/training), or None for no answer."""
+    answer = list(engine.generate(question, docs, strategy="full", max_new_tokens=answer_tokens,
+                                  temperature=0.0).token_ids)
+    if not answer:
+        return None
+    return answer, engine.next_token_logprobs(question, docs, answer + [0], strategy="full").to(engine.device)
+
+
+def held_out_prompts(eval_examples, cfg: PromptsConfig, tok_len: Callable[[str], int], teacher_for) -> list:
+    """Fixed held-out prompts and their teachers, built once: [(example, docs, answer, teacher)] (`cfg.eval_prompts`
+    of them, drawn from `eval_examples` with seed + 2); [] without examples or `cfg.eval_every`."""
+    evalset: list = []
+    if not eval_examples or not cfg.eval_every:
+        return evalset
+    stream = training_prompts(eval_examples, dataclasses.replace(cfg, seed=cfg.seed + 2), tok_len)
+    for _ in range(4 * cfg.eval_prompts):
+        if len(evalset) == cfg.eval_prompts:
+            break
+        ex, docs = next(stream)
+        got = teacher_for(ex, docs)
+        if got is not None:
+            evalset.append((ex, docs, *got))
+    return evalset
+
+
 def train_adapter(engine, examples, cfg: TrainConfig, out: str | Path, *, log: Callable[[str], None] = print,
                   eval_examples=None, resume: bool = False) -> dict[str, Any]:
     """Trains a fusion adapter for `engine`'s model on `examples` and writes `out` (safetensors) and
@@ -368,13 +406,7 @@ def train_adapter(engine, examples, cfg: TrainConfig, out: str | Path, *, log: C
     prompts = training_prompts(examples, cfg, tok_len)
 
     def teacher_for(ex, docs):
-        """(full's greedy answer, the teacher's log-probs over it, through the engine's own full prefill:
-        `teacher_logprobs` computes the same with the plain forward, tests/training), or None for no answer."""
-        answer = list(engine.generate(ex.question, docs, strategy="full", max_new_tokens=cfg.answer_tokens,
-                                      temperature=0.0).token_ids)
-        if not answer:
-            return None
-        return answer, engine.next_token_logprobs(ex.question, docs, answer + [0], strategy="full").to(engine.device)
+        return full_teacher(engine, ex.question, docs, cfg.answer_tokens)
 
     def student_kl(ex, docs, answer, teacher, ratio):
         """(KL(teacher || student) per answer token, the prompt's layout) at `ratio`; differentiable in the
@@ -399,16 +431,7 @@ def train_adapter(engine, examples, cfg: TrainConfig, out: str | Path, *, log: C
         return kl, {"ratio": ratio, "docs": len(docs), "prompt_tokens": layout.n, "answer_tokens": len(answer),
                     "example": ex.id}
 
-    evalset: list = []
-    if eval_examples and cfg.eval_every:  # fixed prompts and their teachers, built once
-        stream = training_prompts(eval_examples, TrainConfig(**{**asdict(cfg), "seed": cfg.seed + 2}), tok_len)
-        for _ in range(4 * cfg.eval_prompts):
-            if len(evalset) == cfg.eval_prompts:
-                break
-            ex, docs = next(stream)
-            got = teacher_for(ex, docs)
-            if got is not None:
-                evalset.append((ex, docs, *got))
+    evalset = held_out_prompts(eval_examples, cfg, tok_len, teacher_for)
     eval_ratio = 0.15 if 0.15 in cfg.ratios else max(cfg.ratios)
 
     def held_out_kl() -> float:

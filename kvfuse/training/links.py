@@ -20,38 +20,29 @@ import torch
 
 from ..engine.links import LinkRows, placeholder_ids
 from ..engine.runner import Runner
-from .distill import document_kv, distill_loss, strategy_selection, student_logprobs, training_prompts
+from .distill import (PromptsConfig, distill_loss, document_kv, full_teacher, held_out_prompts,
+                      strategy_selection, student_logprobs, training_prompts)
 
 __all__ = ["LinksConfig", "train_links", "linked_layout"]
 
 
 @dataclass
-class LinksConfig:
-    """One link-rows training run (recorded with the file).
+class LinksConfig(PromptsConfig):
+    """One link-rows training run (recorded with the file): `PromptsConfig`'s fields (Adam here, at 3e-3 by
+    default, 300 steps) and
 
     Attributes:
         k: link rows per document.
-        steps / lr / warmup / seed: Adam, linear warm-up then cosine decay to zero over `steps`.
-        ratios / strategy: recompute ratios the student samples per step (0: reuse) and whose selection it uses.
-        min_docs / max_docs / max_doc_tokens / answer_tokens: the prompts (as `TrainConfig`).
         init_token: the text whose first token's embedding every link row starts from (plus small noise).
-        eval_every: with held-out examples, their KL at `eval_ratio` is measured before training and every this many
-            steps, and the vectors of the lowest point are written (0: never; the last vectors are written).
+        eval_every / eval_prompts: with held-out examples, their KL at `eval_ratio` on `eval_prompts` fixed prompts is
+            measured before training and every this many steps, and the vectors of the lowest point are written
+            (0: never; the last vectors are written).
     """
 
-    k: int = 8
     steps: int = 300
     lr: float = 3e-3
-    warmup: int = 10
-    seed: int = 0
-    ratios: tuple[float, ...] = (0.0, 0.15)
-    strategy: str = "infoflow"
-    min_docs: int = 3
-    max_docs: int = 8
-    max_doc_tokens: int = 900
-    answer_tokens: int = 16
+    k: int = 8
     init_token: str = "\n\n"
-    eval_every: int = 0
     eval_prompts: int = 24
     eval_ratio: float = 0.15
 
@@ -90,11 +81,7 @@ def train_links(engine, examples, cfg: LinksConfig, out: str | Path, *, log: Cal
     prompts = training_prompts(examples, cfg, tok_len)
 
     def teacher_for(ex, docs):
-        answer = list(engine.generate(ex.question, docs, strategy="full", max_new_tokens=cfg.answer_tokens,
-                                      temperature=0.0).token_ids)
-        if not answer:
-            return None
-        return answer, engine.next_token_logprobs(ex.question, docs, answer + [0], strategy="full").to(dec.device)
+        return full_teacher(engine, ex.question, docs, cfg.answer_tokens)
 
     def student_kl(ex, docs, answer, teacher, ratio):
         layout = linked_layout(engine, ex.question, docs, cfg.k)
@@ -103,16 +90,7 @@ def train_links(engine, examples, cfg: LinksConfig, out: str | Path, *, log: Cal
                                        exact_first=adapter is None)
         return distill_loss(teacher, student_logprobs(engine, layout, answer + [0], adapter, recompute, kv))
 
-    evalset = []
-    if eval_examples and cfg.eval_every:
-        stream = training_prompts(eval_examples, LinksConfig(**{**asdict(cfg), "seed": cfg.seed + 2}), tok_len)
-        for _ in range(4 * cfg.eval_prompts):
-            if len(evalset) == cfg.eval_prompts:
-                break
-            ex, docs = next(stream)
-            got = teacher_for(ex, docs)
-            if got is not None:
-                evalset.append((ex, docs, *got))
+    evalset = held_out_prompts(eval_examples, cfg, tok_len, teacher_for)
 
     record: dict[str, Any] = {"config": asdict(cfg), "loss": [], "held_out": [], "examples": []}
     before = dec.links
