@@ -114,7 +114,6 @@ class FusionEngine:
             self.decoder.links = links.vectors.detach().to(self.decoder.device, self.decoder.dtype)
         self.links = links
         self._link_ids = placeholder_ids(self.decoder.spec.vocab, links.k) if links is not None else None
-        self.links_digest = links.digest[:16] if links is not None else ""
         self.hf_model = hf_model
         self.tokenizer = tokenizer
         self.model_name = model_name or getattr(hf_model.config, "_name_or_path", "") or self.decoder.spec.family

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -56,9 +57,10 @@ class LinkRows:
     def k(self) -> int:
         return int(self.vectors.shape[0])
 
-    @property
+    @cached_property
     def digest(self) -> str:
-        """sha256 of K, hidden and the vectors' float32 bytes (what a result names)."""
+        """sha256 of K, hidden and the vectors' float32 bytes (what a result names; computed once: the vectors of a
+        LinkRows are not changed after it is made)."""
         v = self.vectors.detach().to("cpu", torch.float32).contiguous()
         h = hashlib.sha256(f"links|{v.shape[0]}|{v.shape[1]}".encode())
         h.update(v.numpy().tobytes())

@@ -209,7 +209,7 @@ class Request:
         if report:  # e.g. sift's indexes and attention density
             self.extra[strat.name] = dict(report)
         if layout.docs and eng._links_for(run) is not None:  # the prompt carried link rows (engine/links.py)
-            self.extra["links"] = {"rows": len(eng._link_ids), "digest": eng.links_digest}
+            self.extra["links"] = {"rows": eng.links.k, "digest": eng.links.digest[:16]}
         self.recomputed = out.recomputed.tolist() if strat.uses_cache else []
         return out
 
