@@ -8,6 +8,10 @@ count the useful work only: 4 * D * Hq per visible (query, key) pair, causal pai
 
     python benchmarks/sift_kernel.py --t 8192 32768 --density 0.25 0.5 0.75 --out sift_kernel.csv
 
+`--sweep` times the kernel under every launch configuration of a small grid (block_m, block_n, num_warps,
+num_stages) at each T and density (dense lists included), beside the configuration `pick_blocks` chooses, and
+prints the best per shape; it does not replace the main table.
+
 `--flex` adds torch's FlexAttention (torch.compile'd, `BlockMask.from_kv_blocks` over the same block lists: listed
 off-diagonal blocks as full blocks, the diagonal causal) beside it, with its first-call (compile) time.
 """
@@ -70,6 +74,51 @@ def flex_block_mask(keep: torch.Tensor, t: int, bs: int, device):
     return BlockMask.from_kv_blocks(kvn, kvi, fn, fi, BLOCK_SIZE=bs, mask_mod=mask_mod, seq_lengths=(t, t))
 
 
+def sweep(q, k, v, t: int, bs: int, scale: float, densities, dev) -> list[dict]:
+    """Rows of (config, ms, useful TFLOP/s) for a grid of launch configurations; the chosen one marked."""
+    import itertools
+
+    import triton.testing
+
+    from kvfuse.kernels._triton.block_sparse import plan
+    from kvfuse.kernels.block_sparse import block_sparse_attention_triton, dense_block_lists
+
+    chosen = plan(t, HQ, HKV, bs, D, q.dtype)
+    out = []
+    for d in densities:
+        if d >= 1.0:
+            bl, bc = dense_block_lists(-(-t // bs), dev)
+            keep = torch.ones(bl.shape[0], bl.shape[0], dtype=torch.bool).tril()
+        else:
+            bl, bc, keep = lists(t, bs, d, dev, seed=int(d * 1000))
+        fl = useful_flops(keep, t, bs)
+        ref = block_sparse_attention_triton(q, k, v, bl, bc, bs, scale)
+        best = None
+        for bm, bn, warps, stages in itertools.product((64, 128, 256), (32, 64, 128), (4, 8), (2, 3, 4)):
+            if bn > bs:
+                continue
+            cfg = dict(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)
+            try:
+                got = block_sparse_attention_triton(q, k, v, bl, bc, bs, scale, **cfg)
+                err = (got.float() - ref.float()).abs().max().item()
+                ms = triton.testing.do_bench(lambda: block_sparse_attention_triton(q, k, v, bl, bc, bs, scale, **cfg),
+                                             warmup=5, rep=25)
+            except Exception as e:  # out of shared memory or registers: not a candidate
+                print(f"sweep t={t} d={d} {cfg}: {type(e).__name__}", flush=True)
+                continue
+            mine = all(chosen[n] == cfg[n] for n in cfg)
+            row = dict(t=t, density=d, sweep=1, chosen=int(mine), **cfg, kernel_ms=ms, kernel_tflops=fl / ms / 1e9,
+                       max_err=err)
+            out.append(row)
+            if best is None or ms < best["kernel_ms"]:
+                best = row
+        base = [r for r in out if r["density"] == d and r["chosen"]]
+        if best is not None:
+            ratio = base[0]["kernel_ms"] / best["kernel_ms"] if base else float("nan")
+            print(f"sweep t={t} d={d}: best {best} ({ratio:.3f}x over the chosen)", flush=True)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--t", type=int, nargs="+", default=[8192, 32768])
@@ -77,6 +126,7 @@ def main() -> int:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--out", default="sift_kernel.csv")
     ap.add_argument("--flex", action="store_true", help="also time torch FlexAttention over the same lists")
+    ap.add_argument("--sweep", action="store_true", help="time a grid of launch configurations (see the docstring)")
     args = ap.parse_args()
     import triton.testing
 
@@ -136,6 +186,9 @@ def main() -> int:
                 row.update(flex_ms=fms, flex_tflops=fl / fms / 1e9, kernel_over_flex=ms / fms, flex_first_s=first_s,
                            flex_err_vs_kernel=ferr)
             rows.append(row)
+        if args.sweep:
+            sweep_rows = sweep(q, k, v, t, bs, scale, [1.0, *args.density], dev)
+            rows.extend(sweep_rows)
         for r in rows[-1 - len(args.density):]:
             print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()), flush=True)
     with open(args.out, "w", newline="") as f:

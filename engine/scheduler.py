@@ -92,6 +92,7 @@ class Request:
         self.text, self.emitted, self.finish = "", 0, "length"
         self.next_token: int | None = None
         self.extra: dict[str, Any] = {}
+        self.link_rows = 0  # link rows the prefill wrote after the documents (not prompt tokens)
 
     # -- phases (scheduler thread) ------------------------------------------------------------------------------
     def _choose(self) -> list | None:
@@ -198,8 +199,14 @@ class Request:
                 if seq is None:
                     decoding.arena.free(slab)
                 raise
+            # link rows (engine/links.py): computed with the request but not the user's text, so counted apart
+            linked = bool(layout.docs) and eng._links_for(run) is not None
+            self.link_rows = eng.links.k * len(layout.docs) if linked else 0
+            if linked:
+                self.extra["links"] = {"rows": eng.links.k, "tokens": self.link_rows,
+                                       "digest": eng.links.digest[:16]}
             after = store.snapshot()
-            set_attributes(sp, prompt_tokens=layout.n, doc_tokens=layout.doc_tokens,
+            set_attributes(sp, prompt_tokens=layout.n - self.link_rows, doc_tokens=layout.doc_tokens,
                            recomputed_tokens=int(out.recomputed.numel()), cache_hits=after.hits - before.hits,
                            cache_misses=after.misses - before.misses, queue_s=self.t_start - self.t_call)
             if first:
@@ -208,8 +215,6 @@ class Request:
         self.selection_s = out.selection_s + reorder_s
         if report:  # e.g. sift's indexes and attention density
             self.extra[strat.name] = dict(report)
-        if layout.docs and eng._links_for(run) is not None:  # the prompt carried link rows (engine/links.py)
-            self.extra["links"] = {"rows": eng.links.k, "digest": eng.links.digest[:16]}
         self.recomputed = out.recomputed.tolist() if strat.uses_cache else []
         return out
 
@@ -306,7 +311,7 @@ class Request:
             recompute_ratio=1.0 if not strat.uses_cache else (0.0 if strat.ignores_ratio else self.ratio),
             finish_reason=self.finish, ttft_s=self.t_first - self.t_call, queue_s=self.t_start - self.t_call,
             prefill_s=self.t_first - self.t_prefill, decode_s=t_end - self.t_first, selection_s=self.selection_s,
-            miss_prefill_s=self.miss_s, prompt_tokens=layout.n, doc_tokens=layout.doc_tokens,
+            miss_prefill_s=self.miss_s, prompt_tokens=layout.n - self.link_rows, doc_tokens=layout.doc_tokens,
             question_tokens=len(layout.tail),
             recomputed_tokens=len(self.recomputed) if strat.uses_cache else layout.doc_tokens,
             cache_hits=after.hits - before.hits, cache_misses=after.misses - before.misses,

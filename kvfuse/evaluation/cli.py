@@ -293,9 +293,12 @@ def run_eval(args: argparse.Namespace, engine_factory: Any = None) -> int:
     def make_runner() -> EvalRunner:
         return EvalRunner(engine_factory, out, model=opt["model"], max_new_tokens=opt["max_new_tokens"],
                           seed=opt["seed"], progress=opt["progress"], extra=extra, prompt=opt["prompt"],
-                          adapter_tag=_adapter_tag(adapter), links_tag=LINKS_TAG if links is not None else "")
+                          adapter_tag=_adapter_tag(adapter), links_tag=LINKS_TAG if links is not None else "",
+                          adapter_digest=adapter.digest[:16] if adapter is not None else "",
+                          links_digest=links.digest[:16] if links is not None else "")
 
     runner = make_runner()
+    runner.check_variants(configs)
     if runner.store.bad_lines:
         print(f"warning: skipped {runner.store.bad_lines} unreadable line(s) of {runner.store.path}", file=sys.stderr)
     if not opt["report_only"]:

@@ -348,7 +348,8 @@ class EvalRunner:
     def __init__(self, engine_factory: Callable[[], Any], out_dir: str | Path, model: str,
                  max_new_tokens: int = 32, seed: int = 0, selfcheck_examples: int = 2, warmup: bool = True,
                  progress: bool = True, extra: dict[str, Any] | None = None, prompt: str = "qa",
-                 adapter_tag: str = "", links_tag: str = "") -> None:
+                 adapter_tag: str = "", links_tag: str = "", adapter_digest: str = "",
+                 links_digest: str = "") -> None:
         if max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
         self.engine_factory = engine_factory
@@ -363,6 +364,9 @@ class EvalRunner:
         self.extra = dict(extra or {})
         self.adapter_tag = adapter_tag  # "+adapter" when the engine computes documents with a fusion adapter
         self.links_tag = links_tag  # "+links" when the engine lays fused prompts out with link rows
+        # the files behind those tags: recorded with every run they apply to, so one folder never mixes the runs of
+        # two adapters (or two sets of link rows) under one label (`check_variants`)
+        self.adapter_digest, self.links_digest = adapter_digest, links_digest
         self.store = RecordStore(self.out_dir)
         self.engine: Any = None
         self._seen_passages: set[str] = set()
@@ -378,6 +382,34 @@ class EvalRunner:
         if self.links_tag and _links_apply(cfg.strategy):
             tag += self.links_tag
         return cfg.strategy + tag + guard
+
+    def variant(self, cfg: Config) -> dict[str, str]:
+        """The digests of the adapter / link rows a run of `cfg` is made with, as recorded (only those its label's
+        tags stand for)."""
+        out: dict[str, str] = {}
+        if cfg.strategy == REFERENCE:
+            return out
+        if self.adapter_tag and _reads_cache(cfg.strategy):
+            out["adapter_digest"] = self.adapter_digest
+        if self.links_tag and _links_apply(cfg.strategy):
+            out["links_digest"] = self.links_digest
+        return out
+
+    def check_variants(self, configs: Sequence[Config]) -> None:
+        """A ValueError, before any work, if the folder already holds runs of one of these labels (same model)
+        made with another adapter or other link rows: resuming would take them as done and the report would mix
+        them. Records written before digests were recorded carry none and are not checked."""
+        want = {self.label(c): self.variant(c) for c in configs}
+        for rec in self.store.records.values():
+            fields = want.get(rec.get("strategy"))
+            if not fields or rec.get("model") != self.model:
+                continue
+            for name, digest in fields.items():
+                got = rec.get(name)
+                if got is not None and got != digest:
+                    what = "an adapter" if name == "adapter_digest" else "link rows"
+                    raise ValueError(f"{self.out_dir} already holds {rec['strategy']!r} runs made with {what} of "
+                                     f"digest {got}, not this run's {digest or '(none)'}: use another --out")
 
     def key(self, example: Example, cfg: Config) -> tuple:
         return record_key(example.id, self.label(cfg), cfg.ratio, self.model, self.max_new_tokens, self.prompt,
@@ -487,6 +519,7 @@ class EvalRunner:
         sparse = (getattr(result, "extra", None) or {}).get("sift")
         if isinstance(sparse, dict) and "density" in sparse:  # sift: the share of causal block pairs attended
             rec["sift_density"] = _finite(sparse["density"])
+        rec.update(self.variant(cfg))
         rec.update(self.extra)
         return rec
 

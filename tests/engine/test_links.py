@@ -62,8 +62,11 @@ def test_results_name_the_links_and_users_cannot_send_placeholders(tiny_engine):
     links = _links(plain)
     engine = tiny_engine("llama", links=links)
     r = engine.generate(QUESTION, DOCS, strategy="reuse", max_new_tokens=2)
-    assert r.extra["links"] == {"rows": K, "digest": links.digest[:16]}
-    assert r.prompt_tokens == plain.layout(QUESTION, DOCS).n + K * len(DOCS)
+    assert r.extra["links"] == {"rows": K, "tokens": K * len(DOCS), "digest": links.digest[:16]}
+    # the link rows are computed (the linked layout is longer) but usage counts only what the user sent
+    assert engine.layout(QUESTION, DOCS, strategy="reuse").n == plain.layout(QUESTION, DOCS).n + K * len(DOCS)
+    assert r.prompt_tokens == plain.layout(QUESTION, DOCS).n
+    assert r.usage()["prompt_tokens"] == r.prompt_tokens
     assert "links" not in engine.generate(QUESTION, DOCS, strategy="full", max_new_tokens=2).extra
     assert "links" not in plain.generate(QUESTION, DOCS, strategy="reuse", max_new_tokens=2).extra
     vocab = engine.decoder.spec.vocab

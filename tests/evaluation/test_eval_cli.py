@@ -192,6 +192,15 @@ def test_runs_with_and_without_an_adapter_are_reported_side_by_side(tmp_path, ca
     assert sum(r["strategy"] == "full" for r in recs) == 3  # full ran once per example, in the first run only
     md = (tmp_path / "out" / "summary.md").read_text()
     assert "| reuse+adapter |" in md and "| reuse |" in md
+    assert all(r["adapter_digest"] for r in recs if r["strategy"] == "reuse+adapter")
+    assert not any("adapter_digest" in r for r in recs if r["strategy"] != "reuse+adapter")
+    # the same adapter again resumes (nothing to run); another adapter into the same folder is refused before any
+    # work: its runs would be taken as done and reported under the first adapter's label
+    assert run_eval(parse(*common, "--adapter", str(path)), engine_factory=lambda: pytest.fail("no work")) == 0
+    other = FusionAdapter.init(_Dec, rank=3, targets=("k", "v")).save(tmp_path / "other.safetensors")
+    with pytest.raises(ValueError, match="already holds 'reuse\\+adapter' runs made with an adapter of digest"):
+        run_eval(parse(*common, "--adapter", str(other)), engine_factory=lambda: pytest.fail("no work"))
+    assert len((tmp_path / "out" / "records.jsonl").read_text().splitlines()) == len(recs)  # nothing written
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(b"junk")
     with pytest.raises(ValueError, match="not a readable adapter"):
