@@ -16,7 +16,8 @@ Mechanics:
 - The decoder embeds a placeholder id as its learned vector (`attach`: `Decoder.links`), with no host read, so the
   CUDA graphs of the bucketed path replay them like any other row.
 - Documents' caches do not change, so links are not part of any cache key; a request's result names them
-  (`result.extra["links"]`).
+  (`result.extra["links"]`: rows per document, the rows in all, the digest). They are computed with the request
+  but are not the user's text: `prompt_tokens` (and the usage the server reports) leaves them out.
 - They apply to the strategies that read documents' caches in place (`applies_to`); `full` and `sift` compute every
   row and never see them, and coinrag's compressed documents are laid out without them.
 
