@@ -144,7 +144,9 @@ def pick_blocks(rows: int, block_size: int, head_dim: int, dtype: torch.dtype, i
         return min(64, triton.next_power_of_2(rows)), 16, 1, 1
     if head_dim > 128 or dtype == torch.float32:
         return min(64, triton.next_power_of_2(rows)), min(block_size, 32), 4, 2
-    bm = min(128, triton.next_power_of_2(rows))
+    # a whole 64-row block of a GROUP-4 model (256 packed rows) per program: 1.24x over 128-row chunks at the 8B
+    # shape, 32k, dense and at density 0.35 (`benchmarks/sift_kernel.py --sweep`, docs/gpu/README.md)
+    bm = min(256, triton.next_power_of_2(rows))
     return bm, min(block_size, 64), (8 if bm >= 128 else 4), 3
 
 
