@@ -55,10 +55,11 @@ class Sift(Strategy):
             max_density / min_tokens: when the sparse kernel runs. A request whose plan keeps more than `max_density`
                 of the causal block pairs, or whose prompt has fewer than `min_tokens` tokens (None: 4 x the model's
                 hidden size), attends densely: a full prefill's cost and answer, reported in `extra["sift"]` as
-                `sparse: False` with the reason. Measured on the H200 (docs/gpu/README.md, SIFT): the block-sparse
-                kernel does a useful FLOP at 0.6x of dense flash attention's speed, so it gains nothing above about
-                half density, and sift's plan costs more than the attention it saves at 8k on the 8B shape (0.94x of
-                `full`) while it gains at 32k (1.16x); the attention's share of a prefill grows with the prompt's
+                `sparse: False` with the reason. Measured on the H200 (docs/gpu/README.md, SIFT and the launch
+                sweep): the block-sparse kernel does a useful FLOP at 0.74x of dense flash attention's speed at 32k
+                keys and 0.57x at 8k (0.6x before its launch change), so it gains little above about half density,
+                and sift's plan costs more than the attention it saves at 8k on the 8B shape (0.94x of `full`) while
+                it gains at 32k (1.20x) and 64k (1.39x); the attention's share of a prefill grows with the prompt's
                 length over the hidden size, hence the bound in hidden sizes. Pass min_tokens=0 and max_density=1
                 to run the sparse kernel on every request.
         """
