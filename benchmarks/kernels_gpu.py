@@ -283,6 +283,10 @@ def run_attention(c, n, m, res: Results, sweep: bool):
             grid = [dict(block_m=bm_, block_n=bn_, num_warps=8 if bm_ == 128 else 4, num_stages=3, prerotate=pr_,
                          gather_values=pr_)
                     for bm_ in (64, 128) for bn_ in (64, 128) for pr_ in (False, True)]
+            # the launch shapes that won the block-sparse kernel's sweep (benchmarks/sift_kernel.py --sweep: 256
+            # packed rows per program, or 128 rows with 4 warps and 2 stages), untried here until now
+            grid += [dict(block_m=bm_, block_n=64, num_warps=w_, num_stages=st_, prerotate=True, gather_values=True)
+                     for bm_, w_, st_ in ((256, 8, 3), (256, 8, 4), (128, 4, 2))]
         _sweep(res, "fused_attention", n, m, t_ref, ref_err, 1e-3, truth,
                lambda **o: tri_attn.launch(*args, **o), plan, grid)
 
