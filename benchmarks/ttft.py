@@ -372,8 +372,9 @@ def main() -> int:
                         r = engine.generate(question_ids=qi, docs=ds, strategy=name, recompute_ratio=ratio,
                                             max_new_tokens=1, **guard_kw)
                         call.last = r
+                        after = (lg_.replays, lg_.captures, lg_.eager_runs) if lg_ is not None else ()
+                        call.hows.append(tuple(b - a for a, b in zip(before, after)))
                         if args.verbose:
-                            after = (lg_.replays, lg_.captures, lg_.eager_runs) if lg_ is not None else ()
                             how = "/".join(str(b - a) for a, b in zip(before, after))
                             print(f"    call {name} {layout}: ttft {r.ttft_s * 1e3:7.2f} ms  prefill "
                                   f"{r.prefill_s * 1e3:7.2f}  sel {r.selection_s * 1e3:6.2f}  n {r.prompt_tokens} "
@@ -393,7 +394,12 @@ def main() -> int:
                     if engine.runner.layout is not None:  # bucket graph counters of this row alone
                         engine.runner.layout.replays = engine.runner.layout.captures = 0
                         engine.runner.layout.eager_runs = 0
+                    call.hows = []  # per call: (replays, captures, eager runs) of the bucket graphs
                     t, t_mean, t_min, t_max = time_call(call, args.reps, args.warmup)
+                    # the timed calls alone: a first-sight request that captures its bucket's graph (or runs
+                    # eagerly) costs far more than a replay, and with few --reps one such call moves the median
+                    timed = [sum(c) for c in zip(*call.hows[-args.reps:])] if call.hows and call.hows[-1] else []
+                    timed_graphs = "/".join(map(str, timed)) if timed else "-"
                     # mixed rows against HF on the same lengths (the random lengths are seeded alike)
                     ref, ref_mean = ((hf_mixed, hf_mixed_mean) if layout.startswith("mixed") and hf_mixed
                                      else (hf, hf))
@@ -416,6 +422,7 @@ def main() -> int:
                                  "min_ttft_ms": t_min * 1e3, "max_ttft_ms": t_max * 1e3,
                                  "warmup_s": None if warm is None else warm["seconds"],
                                  "bucket_replays_captures_eager": graphs,
+                                 "timed_replays_captures_eager": timed_graphs,
                                  "vs_hf": ref / t, "floor_ms": floor, "measured_over_floor": t * 1e3 / floor,
                                  "selection_ms": r.selection_s * 1e3,
                                  "selection_share": r.selection_s / t, "recomputed": r.recomputed_tokens,
@@ -427,6 +434,10 @@ def main() -> int:
                           f"recomputed {r.recomputed_tokens}/{r.doc_tokens}  bucket graphs r/c/e {graphs}  "
                           f"mean {t_mean * 1e3:.2f} ms (x{ref_mean / t_mean:.2f})  min/max {t_min * 1e3:.2f}/"
                           f"{t_max * 1e3:.2f} ms", flush=True)
+                    if timed and timed[0] < args.reps and args.reps < 5:
+                        print(f"  note: {args.reps - timed[0]} of the {args.reps} timed requests did not replay a graph "
+                              f"(r/c/e {timed_graphs}): the median carries their capture or eager cost; use more "
+                              f"--reps for a steady figure", flush=True)
                     if lg is not None and lg.failed:
                         print("  capture failures:", set(lg.failed.values()), flush=True)
                 engine.close()
