@@ -179,6 +179,10 @@ TRITON_CASES = [  # (T, Hq, Hkv, D, block_size, lists, overrides)
     (150, 4, 2, 16, 16, "future", dict(block_n=64)),        # partly filled last tile); four, later blocks listed
     (130, 6, 3, 16, 16, "per_head", dict(block_n=32)),      # gathered tiles with lists per KV head
     (37, 4, 2, 16, 16, "dense", dict(block_n=32)),          # dense lists, the diagonal tile past its block
+    # 256-row programs (the CUDA default for GROUP >= 4 at blocks of 64) at shapes these tests reach: GROUP 7 (the
+    # 0.5B model's), 112 packed rows per block; GROUP 4, 128 rows
+    (100, 14, 2, 16, 16, "sparse", dict(block_m=256)),
+    (150, 8, 2, 16, 32, "sparse", dict(block_m=256)),
 ]
 
 
