@@ -38,14 +38,17 @@ from kvfuse.kernels.rope import apply_rope_reference
 from kvfuse.training.distill import _answer_rows, document_kv, forward_rows, strategy_selection
 
 
-def _attend(dec, i, h, q_pos, ctx_k, ctx_v, ctx_pos, cos, sin, qkv=None):
-    """Layer i's attention of rows at `q_pos` over ctx + themselves (causal by position) and the layer's finish."""
+def _attend(dec, i, h, q_pos, ctx_k, ctx_v, ctx_pos, cos, sin, qkv=None, ctx_keep=None):
+    """Layer i's attention of rows at `q_pos` over ctx + themselves (causal by position) and the layer's finish.
+    `ctx_keep` [rows, ctx rows]: which ctx rows each row may see (None: all)."""
     s = dec.spec
     q, k, v = dec.project(i, h) if qkv is None else qkv
     k_all = torch.cat([ctx_k, k])
     v_all = torch.cat([ctx_v, v])
     all_pos = torch.cat([ctx_pos, q_pos])
     mask = all_pos[None, :] <= q_pos[:, None]
+    if ctx_keep is not None:
+        mask[:, :ctx_pos.numel()] &= ctx_keep
     qr = apply_rope_reference(q, cos[q_pos], sin[q_pos]).transpose(0, 1)
     kr = apply_rope_reference(k_all, cos[all_pos], sin[all_pos]).transpose(0, 1)
     o = F.scaled_dot_product_attention(qr, kr, v_all.transpose(0, 1), attn_mask=mask, scale=s.scale, enable_gqa=True)
@@ -72,8 +75,10 @@ def doc_hidden(engine, layout, adapter, start: int) -> list[torch.Tensor]:
     return out
 
 
-def student(engine, layout, answer, doc_kv, doc_h, recompute, start: int) -> torch.Tensor:
-    """log p over the answer (teacher-forced) when the rows `recompute` are computed from layer `start` on."""
+def student(engine, layout, answer, doc_kv, doc_h, recompute, start: int, mask_band=None) -> torch.Tensor:
+    """log p over the answer (teacher-forced) when the rows `recompute` are computed from layer `start` on.
+    `mask_band` (lo, hi): in layers lo..hi-1 the question and answer rows do not see the documents' cached (stale)
+    rows, only the prefix, the recomputed rows and themselves (the recomputed rows still see everything)."""
     dec = engine.decoder
     dev = dec.device
     n_layers = dec.spec.n_layers
@@ -109,7 +114,15 @@ def student(engine, layout, answer, doc_kv, doc_h, recompute, start: int) -> tor
             h = torch.cat([h_rec, h])
             pos = torch.cat([rec_pos.to(dev), pos])
         ck, cv, cp = ctx(i, rec if i >= start else None)
-        h = _attend(dec, i, h, pos, ck, cv, cp, cos, sin)
+        keep = None
+        if mask_band is not None and mask_band[0] <= i < mask_band[1]:
+            in_doc = torch.zeros(layout.n + int(a_ids.numel()), dtype=torch.bool, device=dev)
+            for sp in layout.docs:
+                in_doc[sp.start:sp.end] = True
+            stale_col = in_doc[cp] & ~rec.to(dev)[cp]
+            qa_row = ~torch.isin(pos, rec_pos.to(dev))
+            keep = ~(qa_row[:, None] & stale_col[None, :])
+        h = _attend(dec, i, h, pos, ck, cv, cp, cos, sin, ctx_keep=keep)
     first = int((pos < layout.n - 1).sum())  # rows are sorted within each group; the last prompt row is n - 1
     order = torch.argsort(pos)
     h = h[order]
@@ -208,6 +221,8 @@ def main() -> int:
     ap.add_argument("--answer-tokens", type=int, default=16)
     ap.add_argument("--out", default=None, help="JSONL of per-example figures")
     ap.add_argument("--bands", default="", help="oracle layer bands a-b (see the module doc)")
+    ap.add_argument("--mask-stale", default="", help="layer bands a-b where the question and answer rows do not "
+                    "attend to the documents' stale cached rows (infoflow 15%%; see student's mask_band)")
     ap.add_argument("--shift", default="", help="drift corrections lo-hi:doc|all|nearT|shrinkC:k|v|kv:alpha, comma "
                     "separated (infoflow 15%%; see student_shift)")
     args = ap.parse_args()
@@ -218,7 +233,8 @@ def main() -> int:
     engine = load_engine(args.model, device=args.device, adapter=None if args.adapter == "none" else args.adapter)
     adapter = engine.adapter
     L = engine.decoder.spec.n_layers
-    extra = [("true", b) for b in bands] + [("shift", x) for x in shifts]
+    masks = [tuple(int(x) for x in b.split("-")) for b in args.mask_stale.split(",") if b]
+    extra = [("true", b) for b in bands] + [("shift", x) for x in shifts] + [("mask", b) for b in masks]
     rows = {v: {"kl": [], "first": [], "tok": []} for v in variants + extra}
     out = open(args.out, "w") if args.out else None
     t0 = time.time()
@@ -250,6 +266,8 @@ def main() -> int:
                     lo, hi = (int(x) for x in rng.split("-"))
                     lp = student_shift(engine, layout, answer + [0], doc_kv, sel[r_sel], lo, hi, mode, parts,
                                        float(alpha))
+                elif s == "mask":
+                    lp = student(engine, layout, answer + [0], doc_kv, hid[0], sel[r_sel], 0, mask_band=r)
                 elif s == "true":
                     kv = with_true_kv(layout, doc_kv, full_k, full_v, *r)
                     lp = student(engine, layout, answer + [0], kv, hid[0], sel[r_sel], 0)
@@ -273,6 +291,7 @@ def main() -> int:
     for (s, r), m in rows.items():
         head = (f"| 0, drift {r} | 0.150 | 0.150" if s == "shift" else
                 f"| 0, layers {r[0]}-{r[1] - 1} true K/V | 0.150 | 0.150" if s == "true" else
+                f"| 0, layers {r[0]}-{r[1] - 1} question masked from stale rows | 0.150 | 0.150" if s == "mask" else
                 f"| {s} | {r:.3f} | {r * (L - s) / L:.3f}")
         print(f"{head} | {statistics.mean(m['kl']):.4f} | {100 * statistics.mean(m['first']):.1f}% | "
               f"{100 * statistics.mean(m['tok']):.1f}% |")
