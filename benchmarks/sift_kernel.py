@@ -95,6 +95,8 @@ def sweep(q, k, v, t: int, bs: int, scale: float, densities, dev) -> list[dict]:
         ref = block_sparse_attention_triton(q, k, v, bl, bc, bs, scale)
         best = None
         for bm, bn, warps, stages in itertools.product((64, 128, 256), (32, 64, 128), (4, 8), (2, 3, 4)):
+            if bn > bs:  # a key tile is part of one listed block
+                continue
             cfg = dict(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)
             try:
                 got = block_sparse_attention_triton(q, k, v, bl, bc, bs, scale, **cfg)

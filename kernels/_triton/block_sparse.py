@@ -10,9 +10,7 @@ The key loop has two parts, both an online softmax in fp32 (exp2 domain):
 
 - the listed blocks before the diagonal (their count per query block, `n_before`, is computed in torch before the
   launch: no host sync): every key of such a block is earlier than every query of block b and inside the prompt,
-  so these tiles are scanned with no mask at all. A key tile (BLOCK_N keys) is a part of one listed block when
-  BLOCK_N <= BLOCK_SIZE, or gathers BLOCK_N / BLOCK_SIZE listed blocks (rows from non-adjacent blocks, one
-  wider product per tile) when larger; only the last gathered tile of a row, partly filled, is masked;
+  so these tiles are scanned with no mask at all;
 - the diagonal block, always (the lists are checked to list it), with the causal mask ``key <= query`` and only
   up to the last query of the chunk. Listed blocks after the diagonal are never read (causality hides them).
 
@@ -46,24 +44,24 @@ def _load_rows(ptr, n_ok, offs_d, D: tl.constexpr, D_PAD: tl.constexpr, MASKED: 
 
 
 @triton.jit
-def _tile(acc, l_i, m_i, q, qi, offs_n, ok, k_base, v_base, s_kt, s_vt, qk_scale,
-          D: tl.constexpr, D_PAD: tl.constexpr, MASKED: tl.constexpr, DOT_F32: tl.constexpr,
-          PRECISION: tl.constexpr):
-    """Keys `offs_n` [BN] (one contiguous run, or runs of several listed blocks) into the online softmax; MASKED:
-    only keys with `ok` (inside the prompt, or listed) and the causal mask."""
+def _tile(acc, l_i, m_i, q, qi, n0, T, k_base, v_base, s_kt, s_vt, qk_scale,
+          D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+          DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
+    """Keys [n0, n0 + BLOCK_N) into the online softmax; MASKED: the causal mask and the end of the prompt."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D_PAD)
     rows = offs_n.to(tl.int64)[:, None]
-    k = _load_rows(k_base + rows * s_kt + offs_d[None, :], ok, offs_d, D, D_PAD, MASKED)  # [BN, D_PAD]
+    k = _load_rows(k_base + rows * s_kt + offs_d[None, :], offs_n < T, offs_d, D, D_PAD, MASKED)  # [BN, D_PAD]
     if DOT_F32:
         k = k.to(tl.float32)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale                  # [BM, BN], log2 domain
     if MASKED:
-        s = tl.where(ok[None, :] & (offs_n[None, :] <= qi[:, None]), s, float("-inf"))
+        s = tl.where(offs_n[None, :] <= qi[:, None], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     p = tl.exp2(s - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = _load_rows(v_base + rows * s_vt + offs_d[None, :], ok, offs_d, D, D_PAD, MASKED)  # [BN, D_PAD]
+    v = _load_rows(v_base + rows * s_vt + offs_d[None, :], offs_n < T, offs_d, D, D_PAD, MASKED)  # [BN, D_PAD]
     acc = acc * alpha[:, None]
     if DOT_F32:
         acc = tl.dot(p, v.to(tl.float32), acc=acc, input_precision=PRECISION)
@@ -98,37 +96,17 @@ def _block_sparse_fwd_kernel(Q, K, V, LISTS, N_BEFORE, OUT, T, qk_scale,
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     k_base = K + hk * s_kh
     v_base = V + hk * s_vh
-    lists = LISTS + hk * s_lh + b * s_lb                                     # (s_lh = s_nh = 0: lists shared by heads)
-    n_before = tl.load(N_BEFORE + hk * s_nh + b)                            # listed blocks before the diagonal
-    offs_t = tl.arange(0, BLOCK_N)
-    if BLOCK_N <= BLOCK_SIZE:                                               # a listed block is SUBS key tiles
-        SUBS: tl.constexpr = BLOCK_SIZE // BLOCK_N
-        for j in range(0, n_before * SUBS):
-            kb = tl.load(lists + j // SUBS).to(tl.int32)
-            offs_n = kb * BLOCK_SIZE + (j % SUBS) * BLOCK_N + offs_t
-            acc, l_i, m_i = _tile(acc, l_i, m_i, q, qi, offs_n, offs_n < T, k_base, v_base, s_kt, s_vt, qk_scale,
-                                  D, D_PAD, False, DOT_F32, PRECISION)
-    else:                                                                   # a key tile gathers PER listed blocks
-        PER: tl.constexpr = BLOCK_N // BLOCK_SIZE
-        entry = offs_t // BLOCK_SIZE
-        within = offs_t % BLOCK_SIZE
-        n_full = n_before // PER
-        for j in range(0, n_full):
-            kb = tl.load(lists + j * PER + entry).to(tl.int32)
-            offs_n = kb * BLOCK_SIZE + within
-            acc, l_i, m_i = _tile(acc, l_i, m_i, q, qi, offs_n, offs_n < T, k_base, v_base, s_kt, s_vt, qk_scale,
-                                  D, D_PAD, False, DOT_F32, PRECISION)
-        if n_full * PER < n_before:                                         # the last, partly filled tile
-            listed = n_full * PER + entry < n_before
-            kb = tl.load(lists + n_full * PER + entry, mask=listed, other=0).to(tl.int32)
-            offs_n = kb * BLOCK_SIZE + within
-            acc, l_i, m_i = _tile(acc, l_i, m_i, q, qi, offs_n, listed, k_base, v_base, s_kt, s_vt, qk_scale,
-                                  D, D_PAD, True, DOT_F32, PRECISION)
+    SUBS: tl.constexpr = BLOCK_SIZE // BLOCK_N                              # key tiles per block
+    n_tiles = tl.load(N_BEFORE + hk * s_nh + b) * SUBS                      # (s_lh = s_nh = 0: lists shared by heads)
+    for j in range(0, n_tiles):                                             # listed blocks before the diagonal
+        kb = tl.load(LISTS + hk * s_lh + b * s_lb + j // SUBS).to(tl.int32)
+        n0 = kb * BLOCK_SIZE + (j % SUBS) * BLOCK_N
+        acc, l_i, m_i = _tile(acc, l_i, m_i, q, qi, n0, T, k_base, v_base, s_kt, s_vt, qk_scale,
+                              D, D_PAD, BLOCK_N, False, DOT_F32, PRECISION)
     q_last = tl.max(tl.where(r_ok, qi, -1), 0)                              # the diagonal, up to the last query
     for n0 in range(b * BLOCK_SIZE, q_last + 1, BLOCK_N):
-        offs_n = n0 + offs_t
-        acc, l_i, m_i = _tile(acc, l_i, m_i, q, qi, offs_n, offs_n < T, k_base, v_base, s_kt, s_vt, qk_scale,
-                              D, D_PAD, True, DOT_F32, PRECISION)
+        acc, l_i, m_i = _tile(acc, l_i, m_i, q, qi, n0, T, k_base, v_base, s_kt, s_vt, qk_scale,
+                              D, D_PAD, BLOCK_N, True, DOT_F32, PRECISION)
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     o_ptr = OUT + qi[:, None].to(tl.int64) * s_ot + h[:, None] * s_oh + offs_d[None, :]
@@ -138,8 +116,7 @@ def _block_sparse_fwd_kernel(Q, K, V, LISTS, N_BEFORE, OUT, T, qk_scale,
 def pick_blocks(rows: int, block_size: int, head_dim: int, dtype: torch.dtype, interpreting: bool
                 ) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for `rows` = block_size * GROUP packed rows per query block;
-    fixed heuristics (as `attention.pick_blocks`). Both powers of two: BLOCK_N below block_size cuts a listed block
-    in several key tiles, above it a key tile gathers several listed blocks."""
+    fixed heuristics (as `attention.pick_blocks`). BLOCK_N divides block_size (both powers of two)."""
     if interpreting:
         return min(64, triton.next_power_of_2(rows)), 16, 1, 1
     if head_dim > 128 or dtype == torch.float32:
@@ -160,6 +137,8 @@ def plan(t: int, hq: int, hkv: int, block_size: int, head_dim: int, dtype: torch
     for name, x in (("block_m", bm), ("block_n", bn)):
         if x < 16 or x & (x - 1):
             raise ValueError(f"{name} must be a power of two >= 16, got {x}")
+    if bn > block_size:
+        raise ValueError(f"block_n ({bn}) must divide block_size ({block_size})")
     return dict(block_m=bm, block_n=bn, num_warps=num_warps or warps, num_stages=num_stages or stages,
                 chunks=triton.cdiv(rows, bm), n_blocks=triton.cdiv(t, block_size))
 
