@@ -375,17 +375,13 @@ class EvalRunner:
     def label(self, cfg: Config) -> str:
         """The strategy as recorded: with the adapter tag, except for strategies that read no cache (`full`, sift:
         the base model whatever the adapter)."""
-        guard = cfg.guard_tag
-        if cfg.strategy == REFERENCE or not (self.adapter_tag or self.links_tag):
-            return cfg.strategy + guard
-        tag = self.adapter_tag if _reads_cache(cfg.strategy) else ""
-        if self.links_tag and _links_apply(cfg.strategy):
-            tag += self.links_tag
-        return cfg.strategy + tag + guard
+        files = self.variant(cfg)
+        return (cfg.strategy + (self.adapter_tag if "adapter_digest" in files else "")
+                + (self.links_tag if "links_digest" in files else "") + cfg.guard_tag)
 
     def variant(self, cfg: Config) -> dict[str, str]:
-        """The digests of the adapter / link rows a run of `cfg` is made with, as recorded (only those its label's
-        tags stand for)."""
+        """The digests of the adapter / link rows a run of `cfg` is made with, as recorded: only where they act (the
+        label carries the same tags, `label`)."""
         out: dict[str, str] = {}
         if cfg.strategy == REFERENCE:
             return out
