@@ -107,6 +107,8 @@ def student(engine, layout, answer, doc_kv, doc_h, recompute, start: int, mask_b
             ps.append(torch.arange(sp.start, sp.end)[keep])
         return torch.cat(ks), torch.cat(vs), torch.cat(ps).to(dev)
 
+    stale = (is_doc & ~rec).to(dev)  # documents' cached rows (the prefix is exact, not stale)
+    stale[layout.prefix.start:layout.prefix.end] = False
     pos = torch.cat([q_rows, a_pos]).to(dev)
     h = dec.embed_tokens(torch.cat([layout.ids[q_rows], a_ids]).to(dev))
     for i in range(n_layers):
@@ -116,10 +118,7 @@ def student(engine, layout, answer, doc_kv, doc_h, recompute, start: int, mask_b
         ck, cv, cp = ctx(i, rec if i >= start else None)
         keep = None
         if mask_band is not None and mask_band[0] <= i < mask_band[1]:
-            in_doc = torch.zeros(layout.n + int(a_ids.numel()), dtype=torch.bool, device=dev)
-            for sp in layout.docs:
-                in_doc[sp.start:sp.end] = True
-            stale_col = in_doc[cp] & ~rec.to(dev)[cp]
+            stale_col = stale[cp]
             qa_row = ~torch.isin(pos, rec_pos.to(dev))
             keep = ~(qa_row[:, None] & stale_col[None, :])
         h = _attend(dec, i, h, pos, ck, cv, cp, cos, sin, ctx_keep=keep)
