@@ -47,11 +47,12 @@ def requests(count: int, docs: tuple[int, int], doc_tokens: tuple[int, int], que
     return out
 
 
-def simulate(stream, key, max_graphs: int, tail: int) -> dict:
-    """The keep/capture policy of `LayoutGraphs.run` (capture at the second sight; when full, the least recently
-    used bucket is dropped; a dropped bucket seen again is captured at once)."""
+def simulate(stream, key, max_graphs: int, tail: int, capture_after: int = 2, head: int = 0) -> dict:
+    """The keep/capture policy of `LayoutGraphs.run` (capture at sighting `capture_after`; when full, the least
+    recently used bucket is dropped; a dropped bucket seen again is captured at once). Shares over the last `tail`
+    requests, and (`head_*`) over the first `head` (an engine's start, no graphs yet)."""
     kept, seen = collections.OrderedDict(), collections.Counter()
-    counts = collections.Counter()
+    counts, first = collections.Counter(), collections.Counter()
     rows = 0.0
     start = len(stream) - tail
     for i, (n, m, k) in enumerate(stream):
@@ -61,18 +62,27 @@ def simulate(stream, key, max_graphs: int, tail: int) -> dict:
             rows += (b[1] + b[2]) / (m + k)
         if b in kept:
             kept.move_to_end(b)
-            counts["replay"] += counted
-            continue
-        seen[b] += 1
-        if seen[b] >= 2:
-            if len(kept) >= max_graphs:
-                kept.popitem(last=False)  # LayoutGraphs.make_room: the least recently used bucket goes
-            kept[b] = True
-            counts["capture"] += counted
+            what = "replay"
         else:
-            counts["eager"] += counted
-    return {"buckets": len({key(*r) for r in stream}), **{k: counts[k] / tail for k in ("replay", "eager", "capture")},
-            "rows": rows / tail}
+            seen[b] += 1
+            if seen[b] >= capture_after:
+                if len(kept) >= max_graphs:
+                    kept.popitem(last=False)  # LayoutGraphs.make_room: the least recently used bucket goes
+                kept[b] = True
+                what = "capture"
+            else:
+                what = "eager"
+        counts[what] += counted
+        first[what] += i < head
+    out = {"buckets": len({key(*r) for r in stream}), **{k: counts[k] / tail for k in ("replay", "eager", "capture")},
+           "rows": rows / tail}
+    out.update({f"head_{k}": first[k] / max(head, 1) for k in ("replay", "eager", "capture")})
+    return out
+
+
+def mean_ms(r: dict, costs: dict, prefix: str = "") -> float:
+    """Mean milliseconds per request of a simulation's shares at the given per-phase costs."""
+    return sum(r[prefix + k] * costs[k] for k in ("replay", "eager", "capture"))
 
 
 def main() -> int:
@@ -87,26 +97,45 @@ def main() -> int:
     ap.add_argument("--question", default="10-120", help="question tokens")
     ap.add_argument("--ratio", type=float, default=0.15)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--head", type=int, default=300, help="requests counted at the start (no graphs yet)")
+    ap.add_argument("--costs", default="",
+                    help="eager,capture,replay ms of one request (benchmarks/capture_cost.py measures them), and "
+                         "optionally the capture's cost when it replays on top of its warm-up run as a fourth value: "
+                         "prints the mean ms per request of each rule at the start and in steady state")
     args = ap.parse_args()
     stream = requests(args.requests, _span(args.docs), _span(args.doc_tokens), _span(args.question), args.ratio,
                       args.seed)
     defaults = inspect.signature(LayoutGraphs).parameters  # the engine's own defaults, not copies of them
     default_graphs, row_steps = defaults["max_graphs"].default, defaults["row_steps"].default
+    now = f"now (a probe strategy): N {FUSED_ROW_STEPS}/oct, M {M_STEPS}/oct from {M_MIN}, K {K_STEPS}/oct, " \
+        f"{default_graphs} graphs"
     rules = {
         "before: M 4/oct from 16, K 8/oct, 24 graphs": (
-            lambda n, m, k: (bucket_size(n, 8, 64), bucket_size(m, 4, 16), bucket_size(k, 8, 16)), 24),
-        f"now (a probe strategy): N {FUSED_ROW_STEPS}/oct, M {M_STEPS}/oct from {M_MIN}, K {K_STEPS}/oct, "
-        f"{default_graphs} graphs": (lambda n, m, k: bucket_sizes("probe", n, m, k, row_steps),
-            default_graphs),
+            lambda n, m, k: (bucket_size(n, 8, 64), bucket_size(m, 4, 16), bucket_size(k, 8, 16)), 24, 2),
+        now: (lambda n, m, k: bucket_sizes("probe", n, m, k, row_steps), default_graphs,
+              LayoutGraphs.capture_after_default),
+        f"{now}, captured at the first sight": (lambda n, m, k: bucket_sizes("probe", n, m, k, row_steps),
+                                                 default_graphs, 1),
+        f"{now}, captured at the second sight": (lambda n, m, k: bucket_sizes("probe", n, m, k, row_steps),
+                                                  default_graphs, 2),
     }
+    costs = [float(x) for x in args.costs.split(",")] if args.costs else []
     print(f"{args.requests} requests: {args.docs} documents of {args.doc_tokens} tokens, questions of "
-          f"{args.question} tokens, ratio {args.ratio}; shares over the last {args.tail}")
-    print("| rules | buckets met | replay | eager | capture | computed rows / real |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for name, (key, graphs) in rules.items():
-        r = simulate(stream, key, graphs, args.tail)
-        print(f"| {name} | {r['buckets']} | {r['replay']:.0%} | {r['eager']:.0%} | {r['capture']:.0%} | "
-              f"{r['rows']:.3f} |")
+          f"{args.question} tokens, ratio {args.ratio}; shares over the last {args.tail} (in brackets: the first "
+          f"{args.head})")
+    cost_cols = " | mean ms, start / steady (warm-up answers) | (capture replays too)" if costs else ""
+    print("| rules | buckets met | replay | eager | capture | computed rows / real" + cost_cols + " |")
+    print("|---|---:|---:|---:|---:|---:|" + ("---:|---:|" if costs else ""))
+    for name, (key, graphs, after) in rules.items():
+        r = simulate(stream, key, graphs, args.tail, after, args.head)
+        line = (f"| {name} | {r['buckets']} | {r['replay']:.0%} ({r['head_replay']:.0%}) | {r['eager']:.0%} "
+                f"({r['head_eager']:.0%}) | {r['capture']:.0%} ({r['head_capture']:.0%}) | {r['rows']:.3f}")
+        if costs:
+            c = dict(zip(("eager", "capture", "replay"), costs))
+            old = {**c, "capture": costs[3] if len(costs) > 3 else c["capture"]}
+            line += (f" | {mean_ms(r, c, 'head_'):.2f} / {mean_ms(r, c):.2f} | {mean_ms(r, old, 'head_'):.2f} / "
+                     f"{mean_ms(r, old):.2f}")
+        print(line + " |")
     return 0
 
 

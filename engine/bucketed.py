@@ -31,7 +31,8 @@ top-K over the masked scores, the first `k` kept; a strategy whose choice depend
 
 On CUDA this is the path of every eligible request, captured or not (`graphs=False` runs the same padded
 functions eagerly), so a request gives the same tokens whatever its layout's history. A bucket runs eagerly the
-first time it is seen and is captured the second time; selection (probe + top-k) is its own graph, so its time is
+first time it is seen and is captured the second time (that request's answer is the capture's warm-up run, so it
+computes once, as the eager one did, plus the recording); selection (probe + top-k) is its own graph, so its time is
 measured apart (`selection_s`). The exact-layout graphs of `engine/runner.py` remain for what is not eligible.
 """
 from __future__ import annotations
@@ -48,7 +49,7 @@ from ..kernels.causal import causal_attention
 from ..kernels.drift import drift_correct
 from ..kernels.rope import apply_rope
 from ..kernels.scatter import scatter_rows
-from .cudagraph import capture_graph
+from .cudagraph import capture_graph_keeping_warm
 from .fusion.base import SelectContext, signature
 from .sources import AssembledSource, PooledSource, PoolRows, pool_rows
 
@@ -240,6 +241,10 @@ class LayoutGraphs:
         row_steps: prompt-row (N) bucket sizes per octave.
     """
 
+    # sightings of a bucket before it is captured (`FusionEngine.warmup` sets 1 while it runs). The request that
+    # captures computes once (its answer is the capture's warm-up run) and pays the recording on top.
+    capture_after_default = 2
+
     def __init__(self, runner, graphs: bool, max_graphs: int = 512, max_bytes: int = 8 << 30,
                  row_steps: int = 8) -> None:
         self.runner = runner
@@ -253,7 +258,10 @@ class LayoutGraphs:
         self.seen: dict = {}
         self.entries: dict = {}
         self.failed: dict = {}  # bucket key -> why its capture failed (it runs eagerly for good)
-        self.capture_after = 2  # sightings of a bucket before it is captured (`FusionEngine.warmup` sets 1)
+        self.capture_after = self.capture_after_default  # sightings of a bucket before it is captured
+        # the capturing request's answer is its capture's warm-up run (False: the new graph is replayed on top, as
+        # before; benchmarks/capture_cost.py times the two side by side)
+        self.keep_warm = True
         self.pool = torch.cuda.graph_pool_handle() if self.graphs else None
         self.replays = self.captures = self.eager_runs = 0
         self.evictions = 0  # buckets dropped to make room (least recently used first)
@@ -496,7 +504,10 @@ class LayoutGraphs:
         if entry is None and self.graphs and h.key not in self.failed:
             self.seen[h.key] = self.seen.get(h.key, 0) + 1
             if self.seen[h.key] >= self.capture_after:
-                entry = self._new_entry(h, strategy, ratio, pool)
+                made = self._new_entry(h, strategy, ratio, pool, clock, probe_guard)
+                if made is not None and self.keep_warm:  # captured: the warm-up run computed this request
+                    return made
+                entry = self.entries.get(h.key)
         if entry is not None:
             self.entries[h.key] = self.entries.pop(h.key)  # most recently used last
             inp, sel_graph, main_graph, out = entry
@@ -544,29 +555,42 @@ class LayoutGraphs:
         self.evictions += len(dropped)
         return dropped
 
-    def _new_entry(self, h: _Host, strategy, ratio: float, pool):
+    def _new_entry(self, h: _Host, strategy, ratio: float, pool, clock, probe_guard: float | None = None):
+        """Captures the request's bucket and returns the request's outputs, computed by the capture's warm-up run
+        (a capture records kernels without running them, so replaying the new graph as well would compute the
+        request twice); None when the bucket cannot be captured (it then runs eagerly for good). A probe guard
+        that trips raises ProbeGuardTripped after the selection graph's capture, before the fused pass is run or
+        captured (the bucket is captured whole when next seen)."""
         size = self.entry_bytes(h.kind, h.nb, h.mb, h.kb, h.vb)
         self.make_room(size)
         try:
             inp = _Inputs(h.packed.to(self.dec.device), h.nb, h.mb, h.kb, h.vb)
             sel_graph = None
             if h.kind == "probe":
-                sel_graph, got = capture_graph(lambda: self._body(h, inp, strategy, ratio, pool, "select"),
-                                               self.dec.device, self.pool)
+                clock.start()
+                sel_graph, got, warm = capture_graph_keeping_warm(
+                    lambda: self._body(h, inp, strategy, ratio, pool, "select"), self.dec.device, self.pool)
                 chosen, gap = got if h.gap else (got, None)
+                warm_chosen, warm_gap = warm if h.gap else (warm, None)
+                inp.chosen.copy_(warm_chosen)  # this request's selection, read by the fused pass's warm-up run
+                clock.stop()
                 # the select graph writes into the main graph's chosen input
                 sel_graph = _Chained(sel_graph, chosen, inp.chosen, gap)
-            main_graph, out = capture_graph(lambda: self._body(h, inp, strategy, ratio, pool, "main"),
-                                            self.dec.device, self.pool)
+                check_probe_guard(warm_gap, probe_guard)
+            main_graph, out, warm = capture_graph_keeping_warm(
+                lambda: self._body(h, inp, strategy, ratio, pool, "main"), self.dec.device, self.pool)
+        except ProbeGuardTripped:
+            raise
         except Exception as exc:  # noqa: BLE001  (a bucket that cannot be captured runs eagerly for good)
             torch.cuda.synchronize()
             self.failed[h.key] = f"{type(exc).__name__}: {exc}"
             log.warning("bucket %s could not be captured (it runs eagerly): %s", h.key[:-1], self.failed[h.key])
             return None
         self.captures += 1
-        entry = self.entries[h.key] = (inp, sel_graph, main_graph, out)
+        self.entries[h.key] = (inp, sel_graph, main_graph, out)
         self.sizes[h.key] = size
-        return entry
+        logits, fresh, act, recomputed = warm
+        return self._outputs(h, inp, logits.clone(), fresh, act, recomputed)
 
     def _outputs(self, h: _Host, inp: _Inputs, logits, fresh, act, recomputed):
         """(logits, pending for Decoding.open, recomputed positions); views of `inp` and of graph outputs, read by

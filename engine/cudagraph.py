@@ -1,9 +1,11 @@
 """One way to capture a CUDA graph: warm up on a side stream, then capture (used by every graph in the engine)."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-__all__ = ["capture_graph"]
+__all__ = ["capture_graph", "capture_graph_keeping_warm"]
 
 
 def capture_graph(fn, device, pool=None):
@@ -12,12 +14,42 @@ def capture_graph(fn, device, pool=None):
     `fn` runs once on a side stream first (allocator, cuBLAS workspaces, Triton compilation), then is captured.
     `pool`: a `torch.cuda.graph_pool_handle()` shared with other graphs (None: the graph's own pool).
     """
+    graph, out, _ = capture_graph_keeping_warm(fn, device, pool)
+    return graph, out
+
+
+def capture_graph_keeping_warm(fn, device, pool=None):
+    """(graph, static outputs, the warm-up run's outputs).
+
+    As `capture_graph`, and the warm-up run's own outputs are returned too, usable on the current stream: when
+    `fn` computes a request, its warm-up run *is* that request's result, so the request that captures a graph
+    need not replay it as well (capturing only records the kernels; the warm-up ran them). Every tensor among
+    the warm outputs (through tuples, lists, dicts and dataclasses) is marked as used by the current stream
+    (`record_stream`), so the allocator does not hand its memory to later side-stream work before the current
+    stream's reads are done.
+    """
+    cur = torch.cuda.current_stream(device)
     side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
+    side.wait_stream(cur)
     with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream(device).wait_stream(side)
+        warm = fn()
+    cur.wait_stream(side)
+    _record(warm, cur)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool):
         out = fn()
-    return graph, out
+    return graph, out, warm
+
+
+def _record(obj, stream) -> None:
+    if isinstance(obj, torch.Tensor):
+        obj.record_stream(stream)
+    elif isinstance(obj, (tuple, list)):
+        for x in obj:
+            _record(x, stream)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            _record(x, stream)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            _record(getattr(obj, f.name), stream)

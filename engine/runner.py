@@ -28,7 +28,7 @@ from ..kernels.drift import drift_correct
 from ..kernels.rope import apply_rope
 from ..kernels.scatter import scatter_rows
 from .bucketed import LayoutGraphs, check_probe_guard, first_token_gap
-from .cudagraph import capture_graph
+from .cudagraph import capture_graph_keeping_warm
 from .fusion.base import SelectContext, Strategy, signature
 from .models.base import Decoder
 from .piecewise import DenseGraphs
@@ -497,7 +497,7 @@ class _GraphCache:
             if self.seen[key] < 2:
                 return None
             try:
-                entry = self._capture(plan, ids, strategy, ratio)
+                entry, warm = self._capture(plan, ids, strategy, ratio)
             except Exception:  # noqa: BLE001  (any capture failure means: run this signature eagerly)
                 torch.cuda.synchronize()
                 self.eager.add(key)
@@ -505,6 +505,7 @@ class _GraphCache:
             if len(self.entries) >= self.max_graphs:
                 self.entries.pop(next(iter(self.entries)))
             self.entries[key] = entry
+            return warm  # the capture's warm-up run computed this request: no replay on top
         else:
             self.entries[key] = self.entries.pop(key)  # most recently used last
         graph, static_ids, source, out, _ = entry
@@ -529,13 +530,13 @@ class _GraphCache:
         if r.dense is not None:
             r.dense.suspended += 1  # the whole prefill is captured: its dense pieces run eagerly inside
         try:
-            graph, out = capture_graph(
+            graph, out, warm = capture_graph_keeping_warm(
                 lambda: r._device_prefill(plan, static_ids, cand, must, strategy, ratio, _NullClock(), source), dev)
         finally:
             if r.dense is not None:
                 r.dense.suspended -= 1
         # every tensor the graph reads must outlive it: the candidate and question index sets are kept too
-        return graph, static_ids, source, out, (cand, must)
+        return (graph, static_ids, source, out, (cand, must)), warm
 
 
 

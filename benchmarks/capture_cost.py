@@ -1,0 +1,117 @@
+"""What the request that captures a shape bucket's CUDA graph costs, against the eager first sighting and a replay.
+
+A bucket runs eagerly the first time it is seen and is captured the second time (`engine/bucketed.py`). The
+capture runs the request once on a side stream (the warm-up), records its kernels, and then either replays the new
+graph (the earlier path: the request is computed twice) or answers with the warm-up run's own outputs (the shipped
+path: computed once). Per round: the bucket graphs are dropped, one never-seen random layout is sent three times
+(1st eager, 2nd captures, 3rd replays), on one engine per variant, the same layouts to both; medians over rounds,
+Hugging Face SDPA full prefill of the same length beside them. Then (`--warmup-range 1`) `engine.warmup` over
+(N/2, N) per variant, from no graphs: the start-up capture of a server, whose requests each capture a bucket.
+
+    python benchmarks/capture_cost.py --shapes llama8b,qwen05b --contexts 2048,8192 --strategies full,infoflow
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.append(str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parent))
+
+from ttft import build, hf_prefill, make_engine, random_layout, time_call  # noqa: E402
+
+PHASES = ("eager", "capture", "replay")
+VARIANTS = {"answer from warm-up": True, "replay after capture": False}
+
+
+def layouts_of(engine, strategy: str):
+    return engine.runner.layout if strategy == "full" else engine.fused_runner.layout
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="llama8b")
+    ap.add_argument("--contexts", default="2048,8192")
+    ap.add_argument("--strategies", default="full,infoflow")
+    ap.add_argument("--ratio", type=float, default=0.15)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--warmup-range", type=int, default=1,
+                    help="1: also time engine.warmup over (N/2, N) per variant (what a server does at start-up)")
+    args = ap.parse_args(argv)
+    if args.device != "cuda" or not torch.cuda.is_available():
+        print("capture_cost.py needs CUDA (graphs are captured on CUDA only)")
+        return 1
+    rows, warm_s = [], []
+    for shape in args.shapes.split(","):
+        model = build(shape, args.device)
+        vocab = model.config.vocab_size
+        for n in (int(c) for c in args.contexts.split(",")):
+            n = min(n, model.config.max_position_embeddings - 8)
+            ids = torch.randint(100, vocab - 100, (1, n), device=args.device)
+            hf_ms = time_call(lambda: hf_prefill(model, ids), 5, 2)[0] * 1e3
+            print(f"{shape} {n:6d}  HF SDPA full {hf_ms:8.2f} ms", flush=True)
+            engines = {v: make_engine(model, "pool", pool_tokens=n + 1024, scratch=n + 64) for v in VARIANTS}
+            for name in args.strategies.split(","):
+                times = {v: {p: [] for p in PHASES} for v in VARIANTS}
+                for k in range(args.rounds + 1):  # round 0 warms kernels and allocators, untimed
+                    q, docs = random_layout(engines[next(iter(VARIANTS))], n, 64, vocab, seed=1000 * k + 7)
+                    for v, eng in engines.items():
+                        eng.precompute(docs)
+                        lg = layouts_of(eng, name)
+                        lg.keep_warm = VARIANTS[v]
+                        lg.reset()
+                        got = []
+                        for phase in PHASES:
+                            before = (lg.eager_runs, lg.captures, lg.replays)
+                            r = eng.generate(question_ids=q, docs=docs, strategy=name, recompute_ratio=args.ratio,
+                                             max_new_tokens=1)
+                            after = (lg.eager_runs, lg.captures, lg.replays)
+                            want = {"eager": (1, 0, 0), "capture": (0, 1, 0 if VARIANTS[v] else 1),
+                                    "replay": (0, 0, 1)}[phase]
+                            if tuple(a - b for a, b in zip(after, before)) != want:
+                                raise SystemExit(f"{v} {name} {phase}: graph counters moved {before} -> {after}")
+                            got.append(r.token_ids)
+                            if k:
+                                times[v][phase].append(r.ttft_s * 1e3)
+                        if len({tuple(t) for t in got}) != 1:
+                            raise SystemExit(f"{v} {name}: the three phases answered differently: {got}")
+                        eng.forget([d.id for d in docs])
+                if args.warmup_range:  # the server's start-up capture of every bucket of a range, per variant
+                    for v, eng in engines.items():
+                        lg = layouts_of(eng, name)
+                        lg.keep_warm = VARIANTS[v]
+                        lg.reset()
+                        w = eng.warmup(contexts=(max(64, n // 2 - 64), n), strategies=[name],
+                                       question_tokens=(16, 128), ratios=[args.ratio])
+                        warm_s.append((shape, n, name, v, w["seconds"], w["captured"], w["requests"]))
+                        print(f"{shape} {n:6d}  {name:9s} {v:22s} engine.warmup: {w['requests']} requests, "
+                              f"{w['captured']} graphs, {w['seconds']:.2f} s", flush=True)
+                for v in VARIANTS:
+                    med = {p: statistics.median(times[v][p]) for p in PHASES}
+                    rows.append((shape, n, name, v, med, hf_ms))
+                    print(f"{shape} {n:6d}  {name:9s} {v:22s} eager {med['eager']:8.2f}  capture "
+                          f"{med['capture']:8.2f}  replay {med['replay']:8.2f} ms  (capture / eager "
+                          f"{med['capture'] / med['eager']:.2f}x, HF / capture {hf_ms / med['capture']:.2f}x)",
+                          flush=True)
+            del engines
+            torch.cuda.empty_cache()
+    print("\n| shape | context | strategy | variant | eager ms | capture ms | replay ms | HF SDPA ms |")
+    print("|---|---:|---|---|---:|---:|---:|---:|")
+    for shape, n, name, v, med, hf_ms in rows:
+        print(f"| {shape} | {n} | {name} | {v} | {med['eager']:.2f} | {med['capture']:.2f} | {med['replay']:.2f} "
+              f"| {hf_ms:.2f} |")
+    if warm_s:
+        print("\n| shape | context | strategy | variant | engine.warmup s | graphs | requests |")
+        print("|---|---:|---|---|---:|---:|---:|")
+        for shape, n, name, v, sec, cap, req in warm_s:
+            print(f"| {shape} | {n} | {name} | {v} | {sec:.2f} | {cap} | {req} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
