@@ -2,8 +2,8 @@
 
 A bucket runs eagerly the first time it is seen and is captured the second time (`engine/bucketed.py`). The
 capture runs the request once on a side stream (the warm-up), records its kernels, and then either replays the new
-graph (the earlier path: the request is computed twice) or answers with the warm-up run's own outputs (the shipped
-path: computed once). Per round: the bucket graphs are dropped, one never-seen random layout is sent three times
+graph (the default path: the request is computed twice) or answers with the warm-up run's own outputs
+(`LayoutGraphs.keep_warm`: computed once; to become the default once it has passed the GPU tests). Per round: the bucket graphs are dropped, one never-seen random layout is sent three times
 (1st eager, 2nd captures, 3rd replays), on one engine per variant, the same layouts to both; medians over rounds,
 Hugging Face SDPA full prefill of the same length beside them. Then (`--warmup-range 1`) `engine.warmup` over
 (N/2, N) per variant, from no graphs: the start-up capture of a server, whose requests each capture a bucket.

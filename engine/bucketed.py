@@ -31,9 +31,10 @@ top-K over the masked scores, the first `k` kept; a strategy whose choice depend
 
 On CUDA this is the path of every eligible request, captured or not (`graphs=False` runs the same padded
 functions eagerly), so a request gives the same tokens whatever its layout's history. A bucket runs eagerly the
-first time it is seen and is captured the second time (that request's answer is the capture's warm-up run, so it
-computes once, as the eager one did, plus the recording); selection (probe + top-k) is its own graph, so its time is
-measured apart (`selection_s`). The exact-layout graphs of `engine/runner.py` remain for what is not eligible.
+first time it is seen and is captured the second time (with `keep_warm`, that request's answer is the capture's
+warm-up run, so it computes once plus the recording, instead of twice); selection (probe + top-k) is its own graph,
+so its time is measured apart (`selection_s`). The exact-layout graphs of `engine/runner.py` remain for what is
+not eligible.
 """
 from __future__ import annotations
 
@@ -241,8 +242,7 @@ class LayoutGraphs:
         row_steps: prompt-row (N) bucket sizes per octave.
     """
 
-    # sightings of a bucket before it is captured (`FusionEngine.warmup` sets 1 while it runs). The request that
-    # captures computes once (its answer is the capture's warm-up run) and pays the recording on top.
+    # sightings of a bucket before it is captured (`FusionEngine.warmup` sets 1 while it runs)
     capture_after_default = 2
 
     def __init__(self, runner, graphs: bool, max_graphs: int = 512, max_bytes: int = 8 << 30,
@@ -259,9 +259,10 @@ class LayoutGraphs:
         self.entries: dict = {}
         self.failed: dict = {}  # bucket key -> why its capture failed (it runs eagerly for good)
         self.capture_after = self.capture_after_default  # sightings of a bucket before it is captured
-        # the capturing request's answer is its capture's warm-up run (False: the new graph is replayed on top, as
-        # before; benchmarks/capture_cost.py times the two side by side)
-        self.keep_warm = True
+        # True: the capturing request's answer is its capture's warm-up run (it computes once); False (for now the
+        # default): the new graph is replayed on top, as before. True has not run on a GPU yet: turn it on once
+        # tests/engine/test_gpu_paths.py (which sets it) passes there; benchmarks/capture_cost.py times the two.
+        self.keep_warm = False
         self.pool = torch.cuda.graph_pool_handle() if self.graphs else None
         self.replays = self.captures = self.eager_runs = 0
         self.evictions = 0  # buckets dropped to make room (least recently used first)

@@ -487,6 +487,7 @@ class _GraphCache:
         self.seen: dict = {}
         self.entries: dict = {}
         self.eager: set = set()
+        self.keep_warm = False  # as LayoutGraphs.keep_warm (True: the capturing request answers from its warm-up)
 
     def run(self, key, plan: _Plan, ids: Tensor, strategy: Strategy, ratio: float) -> PrefillOutput | None:
         if key in self.eager:
@@ -505,7 +506,8 @@ class _GraphCache:
             if len(self.entries) >= self.max_graphs:
                 self.entries.pop(next(iter(self.entries)))
             self.entries[key] = entry
-            return warm  # the capture's warm-up run computed this request: no replay on top
+            if self.keep_warm:
+                return warm  # the capture's warm-up run computed this request: no replay on top
         else:
             self.entries[key] = self.entries.pop(key)  # most recently used last
         graph, static_ids, source, out, _ = entry
