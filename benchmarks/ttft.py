@@ -151,6 +151,17 @@ def time_call(fn, reps: int, warmup: int) -> tuple[float, float, float, float]:
     return statistics.median(ts), statistics.fmean(ts), min(ts), max(ts)
 
 
+def split_by_graph_use(times: list[float], hows: list[tuple]) -> dict[str, float | None]:
+    """Median seconds of the timed calls that replayed a bucket graph, captured one, or ran eagerly (None where no
+    call did); `hows[i]` is call i's (replays, captures, eager runs) delta. A first-sight median over few calls mixes
+    the three; this says what each costs."""
+    out: dict[str, float | None] = {}
+    for i, kind in enumerate(("replay", "capture", "eager")):
+        ts = [t for t, h in zip(times, hows) if len(h) == 3 and h[i] and not any(h[j] for j in range(3) if j > i)]
+        out[kind] = statistics.median(ts) if ts else None
+    return out
+
+
 def floors(model, n: int, recomputed: int, q: int, gemm_tflops: float, hbm_gbs: float) -> dict[str, float]:
     """Arithmetic floor (ms) of a prefill that computes `rows` tokens over an n-token context."""
     c = model.config
@@ -374,6 +385,7 @@ def main() -> int:
                         call.last = r
                         after = (lg_.replays, lg_.captures, lg_.eager_runs) if lg_ is not None else ()
                         call.hows.append(tuple(b - a for a, b in zip(before, after)))
+                        call.times.append(r.ttft_s)
                         if args.verbose:
                             how = "/".join(str(b - a) for a, b in zip(before, after))
                             print(f"    call {name} {layout}: ttft {r.ttft_s * 1e3:7.2f} ms  prefill "
@@ -395,11 +407,13 @@ def main() -> int:
                         engine.runner.layout.replays = engine.runner.layout.captures = 0
                         engine.runner.layout.eager_runs = 0
                     call.hows = []  # per call: (replays, captures, eager runs) of the bucket graphs
+                    call.times = []  # per call: its TTFT (s)
                     t, t_mean, t_min, t_max = time_call(call, args.reps, args.warmup)
                     # the timed calls alone: a first-sight request that captures its bucket's graph (or runs
                     # eagerly) costs far more than a replay, and with few --reps one such call moves the median
                     timed = [sum(c) for c in zip(*call.hows[-args.reps:])] if call.hows and call.hows[-1] else []
                     timed_graphs = "/".join(map(str, timed)) if timed else "-"
+                    by_use = split_by_graph_use(call.times[-args.reps:], call.hows[-args.reps:])
                     # mixed rows against HF on the same lengths (the random lengths are seeded alike)
                     ref, ref_mean = ((hf_mixed, hf_mixed_mean) if layout.startswith("mixed") and hf_mixed
                                      else (hf, hf))
@@ -423,6 +437,7 @@ def main() -> int:
                                  "warmup_s": None if warm is None else warm["seconds"],
                                  "bucket_replays_captures_eager": graphs,
                                  "timed_replays_captures_eager": timed_graphs,
+                                 **{f"{k}_median_ms": None if v is None else v * 1e3 for k, v in by_use.items()},
                                  "vs_hf": ref / t, "floor_ms": floor, "measured_over_floor": t * 1e3 / floor,
                                  "selection_ms": r.selection_s * 1e3,
                                  "selection_share": r.selection_s / t, "recomputed": r.recomputed_tokens,
@@ -434,6 +449,9 @@ def main() -> int:
                           f"recomputed {r.recomputed_tokens}/{r.doc_tokens}  bucket graphs r/c/e {graphs}  "
                           f"mean {t_mean * 1e3:.2f} ms (x{ref_mean / t_mean:.2f})  min/max {t_min * 1e3:.2f}/"
                           f"{t_max * 1e3:.2f} ms", flush=True)
+                    if timed and timed[0] < args.reps:
+                        print("  timed requests by graph use (median ms): " + ", ".join(
+                            f"{k} {'-' if v is None else f'{v * 1e3:.2f}'}" for k, v in by_use.items()), flush=True)
                     if timed and timed[0] < args.reps and args.reps < 5:
                         print(f"  note: {args.reps - timed[0]} of the {args.reps} timed requests did not replay a graph "
                               f"(r/c/e {timed_graphs}): the median carries their capture or eager cost; use more "
