@@ -210,3 +210,57 @@ def test_qcfuse_view_changes_its_choice(anchored):
                      strategy_options={"full_view": True})
     assert a.recomputed_positions != b.recomputed_positions or not torch.equal(
         a.extra["logprobs"], b.extra["logprobs"])
+
+
+def _copy_into(dst, src) -> None:
+    if isinstance(dst, torch.Tensor):
+        dst.copy_(src)
+    elif isinstance(dst, (tuple, list)):
+        for d, s in zip(dst, src):
+            _copy_into(d, s)
+
+
+def _fake_capture(fn, device, pool=None):
+    """A CUDA graph's contract on the CPU: the warm-up run computes, the "capture" makes static outputs, and a
+    replay runs the same function again, writing into those static outputs in place."""
+    warm = fn()
+    static = fn()
+
+    class Graph:
+        def replay(self):
+            _copy_into(static, fn())
+    return Graph(), static, warm
+
+
+@pytest.mark.parametrize("keep_warm", [True, False], ids=["warm-answers", "replay-after-capture"])
+@pytest.mark.parametrize("strategy", ["full", "epic", "cacheblend", "infoflow"])
+def test_the_request_that_captures_a_bucket_answers_like_eager(monkeypatch, keep_warm, strategy):
+    """The capture path's bookkeeping, run on the CPU with a stand-in for CUDA graphs: the request that captures
+    its bucket answers as the eager padded prefill does, whether it answers from the capture's warm-up run
+    (`keep_warm`: no replay; a probing strategy's warm-up selection must reach the fused pass's warm-up) or replays
+    the new graph; later layouts of the bucket replay and answer alike too."""
+    import fixtures
+
+    from kvfuse.engine import bucketed
+
+    monkeypatch.setattr(bucketed, "capture_graph_keeping_warm", _fake_capture)
+    model, tok, info = fixtures.load_tiny("llama", dtype=torch.float32)
+    eager, graphs = (fixtures.engine_from(model, tok, info, kv_tier="pool", bucketed_prefill=True,
+                                          disk_budget_bytes=0) for _ in range(2))
+    lg = graphs.runner.layout
+    lg.graphs, lg.keep_warm = True, keep_warm
+    kw = dict(strategy=strategy, recompute_ratio=0.3, max_new_tokens=4, return_logprobs=True)
+    calls = [(QUESTION, DOCS)] * 3 + [(QUESTION, DOCS[::-1])]  # eager, capture, replay; a new layout: replay
+    seen = []
+    for question, docs in calls:
+        ref = eager.generate(question, docs, **kw)
+        before = (lg.eager_runs, lg.captures, lg.replays)
+        got = graphs.generate(question, docs, **kw)
+        seen.append(tuple(b - a for a, b in zip(before, (lg.eager_runs, lg.captures, lg.replays))))
+        assert got.token_ids == ref.token_ids
+        torch.testing.assert_close(got.extra["logprobs"], ref.extra["logprobs"], rtol=0, atol=1e-5)
+        assert got.recomputed_tokens == ref.recomputed_tokens
+    capture = (0, 1, 0) if keep_warm else (0, 1, 1)
+    assert seen == [(1, 0, 0), capture, (0, 0, 1), (0, 0, 1)], seen
+    eager.close()
+    graphs.close()
