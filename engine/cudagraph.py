@@ -43,7 +43,8 @@ def capture_graph_keeping_warm(fn, device, pool=None):
 
 def _record(obj, stream) -> None:
     if isinstance(obj, torch.Tensor):
-        obj.record_stream(stream)
+        if obj.is_cuda:  # a host tensor among the outputs has no stream to record
+            obj.record_stream(stream)
     elif isinstance(obj, (tuple, list)):
         for x in obj:
             _record(x, stream)
