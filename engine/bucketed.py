@@ -568,13 +568,14 @@ class LayoutGraphs:
             inp = _Inputs(h.packed.to(self.dec.device), h.nb, h.mb, h.kb, h.vb)
             sel_graph = None
             if h.kind == "probe":
-                clock.start()
+                # the selection time of a request answered from the warm-up is its warm-up's; one that replays
+                # afterwards is timed at the replay
                 sel_graph, got, warm = capture_graph_keeping_warm(
-                    lambda: self._body(h, inp, strategy, ratio, pool, "select"), self.dec.device, self.pool)
+                    lambda: self._body(h, inp, strategy, ratio, pool, "select"), self.dec.device, self.pool,
+                    clock if self.keep_warm else None)
                 chosen, gap = got if h.gap else (got, None)
                 warm_chosen, warm_gap = warm if h.gap else (warm, None)
                 inp.chosen.copy_(warm_chosen)  # this request's selection, read by the fused pass's warm-up run
-                clock.stop()
                 # the select graph writes into the main graph's chosen input
                 sel_graph = _Chained(sel_graph, chosen, inp.chosen, gap)
                 check_probe_guard(warm_gap, probe_guard)

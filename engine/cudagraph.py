@@ -18,7 +18,7 @@ def capture_graph(fn, device, pool=None):
     return graph, out
 
 
-def capture_graph_keeping_warm(fn, device, pool=None):
+def capture_graph_keeping_warm(fn, device, pool=None, clock=None):
     """(graph, static outputs, the warm-up run's outputs).
 
     As `capture_graph`, and the warm-up run's own outputs are returned too, usable on the current stream: when
@@ -26,14 +26,19 @@ def capture_graph_keeping_warm(fn, device, pool=None):
     need not replay it as well (capturing only records the kernels; the warm-up ran them). Every tensor among
     the warm outputs (through tuples, lists, dicts and dataclasses) is marked as used by the current stream
     (`record_stream`), so the allocator does not hand its memory to later side-stream work before the current
-    stream's reads are done.
+    stream's reads are done. `clock` (start / stop on the current stream): brackets the warm-up run alone, not the
+    recording.
     """
     cur = torch.cuda.current_stream(device)
     side = torch.cuda.Stream(device)
+    if clock is not None:
+        clock.start()
     side.wait_stream(cur)
     with torch.cuda.stream(side):
         warm = fn()
     cur.wait_stream(side)
+    if clock is not None:
+        clock.stop()
     _record(warm, cur)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool):

@@ -220,10 +220,14 @@ def _copy_into(dst, src) -> None:
             _copy_into(d, s)
 
 
-def _fake_capture(fn, device, pool=None):
+def _fake_capture(fn, device, pool=None, clock=None):
     """A CUDA graph's contract on the CPU: the warm-up run computes, the "capture" makes static outputs, and a
     replay runs the same function again, writing into those static outputs in place."""
+    if clock is not None:
+        clock.start()
     warm = fn()
+    if clock is not None:
+        clock.stop()
     static = fn()
 
     class Graph:
@@ -260,6 +264,7 @@ def test_the_request_that_captures_a_bucket_answers_like_eager(monkeypatch, keep
         assert got.token_ids == ref.token_ids
         torch.testing.assert_close(got.extra["logprobs"], ref.extra["logprobs"], rtol=0, atol=1e-5)
         assert got.recomputed_tokens == ref.recomputed_tokens
+        assert (got.selection_s > 0) == (ref.selection_s > 0)  # a probe's selection is timed on every path
     capture = (0, 1, 0) if keep_warm else (0, 1, 1)
     assert seen == [(1, 0, 0), capture, (0, 0, 1), (0, 0, 1)], seen
     eager.close()
