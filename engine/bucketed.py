@@ -50,7 +50,7 @@ from ..kernels.causal import causal_attention
 from ..kernels.drift import drift_correct
 from ..kernels.rope import apply_rope
 from ..kernels.scatter import scatter_rows
-from .cudagraph import capture_graph_keeping_warm
+from .cudagraph import KEEP_WARM, capture_graph_keeping_warm
 from .fusion.base import SelectContext, signature
 from .sources import AssembledSource, PooledSource, PoolRows, pool_rows
 
@@ -259,10 +259,9 @@ class LayoutGraphs:
         self.entries: dict = {}
         self.failed: dict = {}  # bucket key -> why its capture failed (it runs eagerly for good)
         self.capture_after = self.capture_after_default  # sightings of a bucket before it is captured
-        # True: the capturing request's answer is its capture's warm-up run (it computes once); False (for now the
-        # default): the new graph is replayed on top, as before. True has not run on a GPU yet: turn it on once
-        # tests/engine/test_gpu_paths.py (which sets it) passes there; benchmarks/capture_cost.py times the two.
-        self.keep_warm = False
+        # True: the capturing request answers from its capture's warm-up run (it computes once); False: the new
+        # graph is replayed on top (twice). benchmarks/capture_cost.py times the two.
+        self.keep_warm = KEEP_WARM
         self.pool = torch.cuda.graph_pool_handle() if self.graphs else None
         self.replays = self.captures = self.eager_runs = 0
         self.evictions = 0  # buckets dropped to make room (least recently used first)

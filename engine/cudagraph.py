@@ -5,7 +5,12 @@ import dataclasses
 
 import torch
 
-__all__ = ["capture_graph", "capture_graph_keeping_warm"]
+__all__ = ["KEEP_WARM", "capture_graph", "capture_graph_keeping_warm"]
+
+# Whether the request that captures a graph answers from the capture's warm-up run (computed once) instead of
+# replaying the new graph on top (computed twice). The default of both graph caches (`LayoutGraphs.keep_warm` in
+# engine/bucketed.py, the exact-layout cache in engine/runner.py); tests/engine/test_gpu_paths.py checks it on CUDA.
+KEEP_WARM = True
 
 
 def capture_graph(fn, device, pool=None):

@@ -28,7 +28,7 @@ from ..kernels.drift import drift_correct
 from ..kernels.rope import apply_rope
 from ..kernels.scatter import scatter_rows
 from .bucketed import LayoutGraphs, check_probe_guard, first_token_gap
-from .cudagraph import capture_graph_keeping_warm
+from .cudagraph import KEEP_WARM, capture_graph_keeping_warm
 from .fusion.base import SelectContext, Strategy, signature
 from .models.base import Decoder
 from .piecewise import DenseGraphs
@@ -487,7 +487,7 @@ class _GraphCache:
         self.seen: dict = {}
         self.entries: dict = {}
         self.eager: set = set()
-        self.keep_warm = False  # as LayoutGraphs.keep_warm (True: the capturing request answers from its warm-up)
+        self.keep_warm = KEEP_WARM  # as LayoutGraphs.keep_warm (True: the capturing request answers from its warm-up)
 
     def run(self, key, plan: _Plan, ids: Tensor, strategy: Strategy, ratio: float) -> PrefillOutput | None:
         if key in self.eager:
