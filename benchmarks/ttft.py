@@ -377,6 +377,7 @@ def main() -> int:
                             engine.precompute(ds)  # cached, untimed: the layout is what is new
                             if offline_data(name):
                                 engine.precompute(ds, strategy=name)
+                        engine.wait_for_deferred(600)  # graphs and caches the last request left for idle time
                         sync()
                         lg_ = engine.runner.layout
                         before = (lg_.replays, lg_.captures, lg_.eager_runs) if lg_ is not None else ()

@@ -121,7 +121,7 @@ class FusionEngine:
         self.dtype = self.decoder.dtype
         self.runner = Runner(self.decoder, cuda_graphs=self.config.cuda_graphs,
                              piecewise_graphs=self.config.piecewise_graphs,
-                             bucketed=self.config.bucketed_prefill)
+                             bucketed=self.config.bucketed_prefill, idle_captures=self.config.idle_captures)
         self.prompts = PromptBuilder(tokenizer, self.config.prompt)
         if adapter is not None and not isinstance(adapter, FusionAdapter):
             adapter = load_adapter(adapter)
@@ -152,7 +152,8 @@ class FusionEngine:
                       else None)
         self.fused_runner = self.runner if adapter is None or self._documents_adapted else Runner(
             merge_into(self.decoder, adapter), cuda_graphs=self.config.cuda_graphs,
-            piecewise_graphs=self.config.piecewise_graphs, bucketed=self.config.bucketed_prefill)
+            piecewise_graphs=self.config.piecewise_graphs, bucketed=self.config.bucketed_prefill,
+            idle_captures=self.config.idle_captures)
         self.doc_cache = DocumentCache(self.runner, self.prompts, self.namespace, self.config,
                                        context_window=window, doc_runner=doc_runner)
         # requests run on the scheduler's thread, decoded together (engine/scheduler.py); other model work takes
@@ -528,9 +529,9 @@ class FusionEngine:
         g = torch.Generator().manual_seed(0)
         made: list[str] = []
         count = 0
-        saved = [lg.capture_after for lg in layouts]
-        for lg in layouts:
-            lg.capture_after = 1
+        saved = [(lg.capture_after, lg.defer) for lg in layouts]
+        for lg in layouts:  # every bucket captured at its first sight, on the warm-up request's path
+            lg.capture_after, lg.defer = 1, False
         try:
             for strat, ratio, points in plan:
                 for n, q in points:
@@ -541,8 +542,8 @@ class FusionEngine:
                                   max_new_tokens=1)
                     count += 1
         finally:
-            for lg, was in zip(layouts, saved):
-                lg.capture_after = was
+            for lg, (after, defer) in zip(layouts, saved):
+                lg.capture_after, lg.defer = after, defer
             self.forget(made)
         return {"requests": count, "captured": sum(lg.captures for lg in layouts) - before,
                 "graphs": sum(len(lg.entries) for lg in layouts), "seconds": time.perf_counter() - t0}
@@ -727,7 +728,8 @@ class FusionEngine:
         """Scheduler gauges for a server's metrics: `running` (requests decoding), `queued` (waiting for a slot),
         `batch_size` (requests in the last decode step), `pool_rows_used` / `pool_rows_total` (KV rows of the GPU
         pool or decode arena), `requests_done`; with CUDA graphs also `prefill_graph_replays`,
-        `prefill_graph_captures` and `prefill_eager_runs` (bucketed prefills by how they ran)."""
+        `prefill_graph_captures` and `prefill_eager_runs` (bucketed prefills by how they ran) and
+        `prefill_graphs_deferred` (buckets waiting for idle time to be captured)."""
         pool = self.decoding.arena.pool
         stats = self.scheduler.stats()
         stats.update(pool_rows_used=pool.doc_rows - pool.free_rows, pool_rows_total=pool.doc_rows)
@@ -735,7 +737,8 @@ class FusionEngine:
         if layouts:  # prefills of the bucketed path by how they ran: a graph replayed, captured, or eager
             stats.update(prefill_graph_replays=sum(g.replays for g in layouts),
                          prefill_graph_captures=sum(g.captures for g in layouts),
-                         prefill_eager_runs=sum(g.eager_runs for g in layouts))
+                         prefill_eager_runs=sum(g.eager_runs for g in layouts),
+                         prefill_graphs_deferred=sum(len(g.backlog) for g in layouts))
         return stats
 
     def shutdown(self, timeout: float | None = None) -> None:
@@ -1038,9 +1041,9 @@ class FusionEngine:
                 "missing_tokens": miss_tokens, "prompt_tokens": n, "fused_rel_ttft": rel}
 
     def build_deferred(self) -> bool:
-        """Builds one cache or index that a request deferred (a cold document's cache, `cold_documents`; a sift
-        index, `on_miss="dense"`); False when none is waiting. The scheduler calls it between requests (never while
-        one is waiting or running)."""
+        """Builds one cache, graph or index that a request deferred (a cold document's cache, `cold_documents`; a
+        shape bucket's CUDA graph, `LayoutGraphs.capture_deferred`; a sift index, `on_miss="dense"`); False when none
+        is waiting. The scheduler calls it between requests (never while one is waiting or running)."""
         if self._cache_backlog:
             key, (doc, ids, name) = next(iter(self._cache_backlog.items()))
             try:  # left in the backlog while it is built, so `wait_for_deferred` waits for the store to hold it
@@ -1050,12 +1053,15 @@ class FusionEngine:
             finally:
                 self._cache_backlog.pop(key, None)
             return True
+        if any(lg.capture_deferred() for lg in self._graph_layouts()):
+            return True
         return self.build_deferred_index()
 
     @property
     def deferred_work(self) -> int:
-        """Caches and indexes waiting to be built between requests."""
-        return len(self._cache_backlog) + len(self._index_backlog)
+        """Caches, graphs and indexes waiting to be built between requests."""
+        return (len(self._cache_backlog) + len(self._index_backlog)
+                + sum(len(lg.backlog) for lg in self._graph_layouts()))
 
     def wait_for_deferred(self, timeout: float = 60.0) -> bool:
         """Blocks until every deferred cache and index is built (True) or `timeout` seconds pass (False)."""

@@ -31,14 +31,18 @@ top-K over the masked scores, the first `k` kept; a strategy whose choice depend
 
 On CUDA this is the path of every eligible request, captured or not (`graphs=False` runs the same padded
 functions eagerly), so a request gives the same tokens whatever its layout's history. A bucket runs eagerly the
-first time it is seen and is captured the second time (with `keep_warm`, that request's answer is the capture's
-warm-up run, so it computes once plus the recording, instead of twice); selection (probe + top-k) is its own graph,
-so its time is measured apart (`selection_s`). The exact-layout graphs of `engine/runner.py` remain for what is
-not eligible.
+first time it is seen and is captured the second time, on that request's path; with `keep_warm` that request
+answers from the capture's warm-up run (it computes once plus the recording, instead of twice). Recording costs about
+as much as running the kernels eagerly, so where the host dominates that request still costs about twice an eager
+run. With `defer` (EngineConfig.idle_captures, off by default) it runs eagerly instead and the capture waits for the
+engine's idle time (`capture_deferred`, called by the scheduler between requests, as deferred document caches are
+built); a bucket seen again before the engine was idle is captured on that request's path. Selection (probe + top-k) is its own graph, so its time is measured apart (`selection_s`). The exact-layout
+graphs of `engine/runner.py` remain for what is not eligible.
 """
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -62,6 +66,7 @@ M_MIN, M_STEPS = 32, 2  # always-computed rows: at least 32, then 2 sizes per oc
 K_STEPS = 4             # recomputed document rows: 4 sizes per octave
 V_STEPS = 4             # a compressed probe view's keys: 4 sizes per octave
 DRIFT_TABLE_ROWS = 512  # documents of the drift correction's table in a bucket (more: the next power of two)
+MAX_CAPTURE_BACKLOG = 64  # buckets waiting for idle time to be captured (more: the oldest are forgotten)
 
 log = logging.getLogger("kvfuse.runner")
 
@@ -240,13 +245,16 @@ class LayoutGraphs:
         max_bytes: bound of the captured buckets' static outputs (their prompt K/V rows), least recently used
             dropped beyond it; intermediates share one memory pool.
         row_steps: prompt-row (N) bucket sizes per octave.
+        defer: a bucket due for capture runs eagerly and is captured in idle time (`capture_deferred`,
+            EngineConfig.idle_captures); seen again before that, on the request's path. False: captured on the path
+            of the request that makes it due.
     """
 
     # sightings of a bucket before it is captured (`FusionEngine.warmup` sets 1 while it runs)
     capture_after_default = 2
 
     def __init__(self, runner, graphs: bool, max_graphs: int = 512, max_bytes: int = 8 << 30,
-                 row_steps: int = 8) -> None:
+                 row_steps: int = 8, defer: bool = False) -> None:
         self.runner = runner
         self.row_steps = row_steps  # prompt-row buckets per octave (N): more steps, less padding, more graphs
         self.dec = runner.dec
@@ -262,6 +270,8 @@ class LayoutGraphs:
         # True: the capturing request answers from its capture's warm-up run (it computes once); False: the new
         # graph is replayed on top (twice). benchmarks/capture_cost.py times the two.
         self.keep_warm = KEEP_WARM
+        self.defer = defer
+        self.backlog: OrderedDict = OrderedDict()  # bucket key -> (host facts, strategy, ratio) of its last request
         self.pool = torch.cuda.graph_pool_handle() if self.graphs else None
         self.replays = self.captures = self.eager_runs = 0
         self.evictions = 0  # buckets dropped to make room (least recently used first)
@@ -489,6 +499,7 @@ class LayoutGraphs:
         self.entries.clear()
         self.sizes.clear()
         self.seen.clear()
+        self.backlog.clear()
         if self.graphs:
             self.pool = torch.cuda.graph_pool_handle()
 
@@ -504,10 +515,16 @@ class LayoutGraphs:
         if entry is None and self.graphs and h.key not in self.failed:
             self.seen[h.key] = self.seen.get(h.key, 0) + 1
             if self.seen[h.key] >= self.capture_after:
-                made = self._new_entry(h, strategy, ratio, pool, clock, probe_guard)
-                if made is not None and self.keep_warm:  # captured: the warm-up run computed this request
-                    return made
-                entry = self.entries.get(h.key)
+                if self.defer and h.key not in self.backlog:  # captured when the engine is idle; eager now
+                    self.backlog[h.key] = (h, strategy, ratio)
+                    while len(self.backlog) > MAX_CAPTURE_BACKLOG:  # never idle: the oldest wait longest
+                        self.backlog.popitem(last=False)
+                else:  # due, and not captured in idle time since: on this request's path
+                    self.backlog.pop(h.key, None)
+                    made = self._new_entry(h, strategy, ratio, pool, clock, probe_guard)
+                    if made is not None and self.keep_warm:  # captured: the warm-up run computed this request
+                        return made
+                    entry = self.entries.get(h.key)
         if entry is not None:
             self.entries[h.key] = self.entries.pop(h.key)  # most recently used last
             inp, sel_graph, main_graph, out = entry
@@ -532,6 +549,24 @@ class LayoutGraphs:
                 check_probe_guard(gap, probe_guard)
             logits, fresh, act, recomputed = self._body(h, inp, strategy, ratio, pool, "main")
         return self._outputs(h, inp, logits.clone(), fresh, act, recomputed)
+
+    def capture_deferred(self) -> bool:
+        """Captures the oldest bucket a request left due for capture (`defer`), on that request's inputs; False when
+        none waits. For the engine's idle time only (the scheduler calls it, through `FusionEngine.build_deferred`,
+        while no request is admitted or decoding): the capture's warm-up run writes the pool's scratch rows, which
+        are one prefill's, and its outputs are dropped. The documents that request read may have been evicted
+        since: their rows then hold other values, which changes only those dropped outputs (the graph records
+        kernels, its inputs are data)."""
+        while self.backlog:
+            key, (h, strategy, ratio) = next(iter(self.backlog.items()))
+            try:  # left in the backlog while it is captured, so `wait_for_deferred` waits for the graph
+                if key in self.entries or key in self.failed:
+                    continue
+                self._new_entry(h, strategy, ratio, h.pool, None)
+                return True
+            finally:
+                self.backlog.pop(key, None)
+        return False
 
     def entry_bytes(self, kind: str, nb: int, mb: int, kb: int, vb: int = 0) -> int:
         """Bytes of a captured bucket's static outputs (what `max_bytes` bounds)."""

@@ -134,6 +134,13 @@ class EngineConfig:
         piecewise_graphs: with cuda_graphs, also replay each layer's dense pieces of a never-seen layout from
             graphs per row bucket (engine/piecewise.py). Experimental, off by default: padded shapes change the
             GEMMs' rounding, so a first-sight request's tokens can differ from its repeated (whole-graph) replay.
+        idle_captures: with cuda_graphs, a shape bucket due for capture (its second sighting) runs eagerly and is
+            captured in the engine's idle time (between requests, by the scheduler) instead of on that request's
+            path, where recording cost the request about as much again as running it (engine/bucketed.py). Off by
+            default: only for a process in which this engine is the only CUDA user (a `kvfuse serve` replica). A
+            capture in idle time overlaps whatever other threads run on the GPU, and PyTorch's graph capture is
+            not safe against that: on an H100, other engines' work and graph teardown in the same process made
+            captures fail (the buckets then run eagerly for good) and broke the other engines' own captures.
         bucketed_prefill: fused prefills of strategies whose choice is layout-free run padded to a shape bucket
             with the layout as data, so one CUDA graph per bucket serves every layout (engine/bucketed.py).
             None: on CUDA (graphed when `cuda_graphs`). True on the CPU runs the same padded path (tests).
@@ -199,6 +206,7 @@ class EngineConfig:
     scratch_tokens: int = 0
     cuda_graphs: bool = True
     piecewise_graphs: bool = False
+    idle_captures: bool = False
     bucketed_prefill: bool | None = None
     id_index_bytes: int = 16 << 20
     disk_retry_s: float = 60.0

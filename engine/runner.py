@@ -150,7 +150,7 @@ class Runner:
     """
 
     def __init__(self, decoder: Decoder, cuda_graphs: bool = True, piecewise_graphs: bool = False,
-                 bucketed: bool | None = None) -> None:
+                 bucketed: bool | None = None, idle_captures: bool = False) -> None:
         self.dec = decoder
         self.spec = decoder.spec
         self._cos = self._sin = None
@@ -162,7 +162,7 @@ class Runner:
         # on CUDA by default, graphed when cuda_graphs is on
         if bucketed is None:
             bucketed = decoder.device.type == "cuda"
-        self.layout = LayoutGraphs(self, graphs=cuda_graphs) if bucketed else None
+        self.layout = LayoutGraphs(self, graphs=cuda_graphs, defer=idle_captures) if bucketed else None
 
     # -- helpers ---------------------------------------------------------------------------------------
     def rope(self, n: int) -> tuple[Tensor, Tensor]:

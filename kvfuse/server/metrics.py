@@ -98,10 +98,15 @@ class _EngineCollector:
         yield GaugeMetricFamily("kvfuse_engine_pool_occupancy", "Share of KV pool rows in use",
                                 value=serving.get("pool_rows_used", 0) / total if total else 0.0)
         for name, help_ in (("prefill_graph_replays", "Prefills that replayed a captured CUDA graph"),
-                            ("prefill_graph_captures", "Prefills that captured a CUDA graph"),
-                            ("prefill_eager_runs", "Prefills run eagerly (a shape bucket seen for the first time)")):
+                            ("prefill_graph_captures", "Shape-bucket CUDA graphs captured (on a request's path or "
+                             "in idle time)"),
+                            ("prefill_eager_runs", "Prefills run eagerly (their shape bucket not captured yet)")):
             if name in serving:
                 yield CounterMetricFamily(f"kvfuse_engine_{name}", help_, value=serving[name])
+        if "prefill_graphs_deferred" in serving:
+            yield GaugeMetricFamily("kvfuse_engine_prefill_graphs_deferred",
+                                    "Shape buckets waiting for idle time to be captured",
+                                    value=serving["prefill_graphs_deferred"])
         if "requests_done" in serving:
             yield CounterMetricFamily("kvfuse_engine_requests_done", "Requests finished by the engine",
                                       value=serving["requests_done"])

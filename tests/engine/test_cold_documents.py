@@ -116,7 +116,7 @@ def test_warmup_requests_are_fused_under_any_policy(tiny_engine, monkeypatch):
     engine = tiny_engine("llama", cold_documents="full")
 
     class Layout:  # stands for a CUDA graph cache (none on the CPU)
-        capture_after, captures, entries = 2, 0, {}
+        capture_after, captures, entries, defer, backlog = 2, 0, {}, True, {}
 
     monkeypatch.setattr(engine, "_graph_layouts", lambda: [Layout()])
     monkeypatch.setattr(engine, "_warmup_plan", lambda strats, ratios, *a: [(strats[0], ratios[0], [(300, 16),
