@@ -236,6 +236,45 @@ def _fake_capture(fn, device, pool=None, clock=None):
     return Graph(), static, warm
 
 
+def _graph_engines(monkeypatch, idle: bool = False, idle_reported: bool = True):
+    """(eager engine, engine whose bucket graphs are the CPU stand-in, its LayoutGraphs). `idle`: its
+    EngineConfig.idle_captures; `idle_reported=False`: it never reports graph work to its scheduler, as a server
+    that is never idle."""
+    import fixtures
+
+    from kvfuse.engine import bucketed
+
+    monkeypatch.setattr(bucketed, "capture_graph_keeping_warm", _fake_capture)
+    model, tok, info = fixtures.load_tiny("llama", dtype=torch.float32)
+    eager, graphs = (fixtures.engine_from(model, tok, info, kv_tier="pool", bucketed_prefill=True,
+                                          disk_budget_bytes=0, idle_captures=on) for on in (False, idle))
+    lg = graphs.runner.layout
+    lg.graphs = True
+    assert lg.defer == idle and not eager.runner.layout.defer  # EngineConfig.idle_captures reaches the graphs
+    if not idle_reported:
+        monkeypatch.setattr(type(graphs), "deferred_work", property(lambda self: 0))
+    return eager, graphs, lg
+
+
+def _ways(eager, graphs, lg, calls, kw, wait: bool = False) -> list[tuple[int, int, int]]:
+    """Sends each (question, docs) to both engines; the graphs engine must answer as the eager one (tokens,
+    log-probs, recomputed rows, a probe's selection timed). Returns each call's (eager runs, captures, replays)
+    delta; `wait`: a capture the call left for idle time is made (and counted) before the next call."""
+    seen = []
+    for question, docs in calls:
+        ref = eager.generate(question, docs, **kw)
+        before = (lg.eager_runs, lg.captures, lg.replays)
+        got = graphs.generate(question, docs, **kw)
+        if wait:
+            assert graphs.wait_for_deferred(60)
+        seen.append(tuple(b - a for a, b in zip(before, (lg.eager_runs, lg.captures, lg.replays))))
+        assert got.token_ids == ref.token_ids
+        torch.testing.assert_close(got.extra["logprobs"], ref.extra["logprobs"], rtol=0, atol=1e-5)
+        assert got.recomputed_tokens == ref.recomputed_tokens
+        assert (got.selection_s > 0) == (ref.selection_s > 0)  # a probe's selection is timed on every path
+    return seen
+
+
 @pytest.mark.parametrize("strategy,keep_warm", [("full", True), ("epic", True), ("cacheblend", True),
                                                 ("infoflow", True), ("infoflow", False)])
 def test_the_request_that_captures_a_bucket_answers_like_eager(monkeypatch, keep_warm, strategy):
@@ -243,52 +282,15 @@ def test_the_request_that_captures_a_bucket_answers_like_eager(monkeypatch, keep
     its bucket answers as the eager padded prefill does, whether it answers from the capture's warm-up run
     (`keep_warm`: no replay; a probing strategy's warm-up selection must reach the fused pass's warm-up) or replays
     the new graph; later layouts of the bucket replay and answer alike too."""
-    import fixtures
-
-    from kvfuse.engine import bucketed
-
-    monkeypatch.setattr(bucketed, "capture_graph_keeping_warm", _fake_capture)
-    model, tok, info = fixtures.load_tiny("llama", dtype=torch.float32)
-    eager, graphs = (fixtures.engine_from(model, tok, info, kv_tier="pool", bucketed_prefill=True,
-                                          disk_budget_bytes=0) for _ in range(2))
-    lg = graphs.runner.layout
-    lg.graphs, lg.keep_warm = True, keep_warm
-    assert not lg.defer  # the default: captured on the path of the request that makes the bucket due
+    eager, graphs, lg = _graph_engines(monkeypatch)  # the default: captured on the path of the request due
+    lg.keep_warm = keep_warm
     kw = dict(strategy=strategy, recompute_ratio=0.3, max_new_tokens=4, return_logprobs=True)
     calls = [(QUESTION, DOCS)] * 3 + [(QUESTION, DOCS[::-1])]  # eager, capture, replay; a new layout: replay
-    seen = []
-    for question, docs in calls:
-        ref = eager.generate(question, docs, **kw)
-        before = (lg.eager_runs, lg.captures, lg.replays)
-        got = graphs.generate(question, docs, **kw)
-        seen.append(tuple(b - a for a, b in zip(before, (lg.eager_runs, lg.captures, lg.replays))))
-        assert got.token_ids == ref.token_ids
-        torch.testing.assert_close(got.extra["logprobs"], ref.extra["logprobs"], rtol=0, atol=1e-5)
-        assert got.recomputed_tokens == ref.recomputed_tokens
-        assert (got.selection_s > 0) == (ref.selection_s > 0)  # a probe's selection is timed on every path
+    seen = _ways(eager, graphs, lg, calls, kw)
     capture = (0, 1, 0) if keep_warm else (0, 1, 1)
     assert seen == [(1, 0, 0), capture, (0, 0, 1), (0, 0, 1)], seen
     eager.close()
     graphs.close()
-
-
-def _graph_engines(monkeypatch, defer_idle: bool = True):
-    """(eager engine, engine whose bucket graphs are the CPU stand-in, its LayoutGraphs); `defer_idle=False`: the
-    engine never reports graph work to its scheduler, as a server that is never idle."""
-    import fixtures
-
-    from kvfuse.engine import bucketed
-
-    monkeypatch.setattr(bucketed, "capture_graph_keeping_warm", _fake_capture)
-    model, tok, info = fixtures.load_tiny("llama", dtype=torch.float32)
-    eager, graphs = (fixtures.engine_from(model, tok, info, kv_tier="pool", bucketed_prefill=True,
-                                          disk_budget_bytes=0, idle_captures=idle) for idle in (False, True))
-    lg = graphs.runner.layout
-    lg.graphs = True
-    assert lg.defer and not eager.runner.layout.defer  # EngineConfig.idle_captures reaches the bucket graphs
-    if not defer_idle:
-        monkeypatch.setattr(type(graphs), "deferred_work", property(lambda self: 0))
-    return eager, graphs, lg
 
 
 @pytest.mark.parametrize("strategy", ["full", "infoflow", "cacheblend"])
@@ -297,19 +299,9 @@ def test_a_bucket_due_for_capture_is_captured_in_idle_time_not_on_the_request_pa
     engine's idle time (the scheduler's `build_deferred`); the graph captured there, on that request's inputs,
     serves the next requests of the bucket (the same layout and a new one) with the eager engine's tokens,
     log-probs and recomputed rows."""
-    eager, graphs, lg = _graph_engines(monkeypatch)
+    eager, graphs, lg = _graph_engines(monkeypatch, idle=True)
     kw = dict(strategy=strategy, recompute_ratio=0.3, max_new_tokens=4, return_logprobs=True)
-    calls = [(QUESTION, DOCS)] * 3 + [(QUESTION, DOCS[::-1])]
-    seen = []
-    for question, docs in calls:
-        ref = eager.generate(question, docs, **kw)
-        before = (lg.eager_runs, lg.captures, lg.replays)
-        got = graphs.generate(question, docs, **kw)
-        assert graphs.wait_for_deferred(60)
-        seen.append(tuple(b - a for a, b in zip(before, (lg.eager_runs, lg.captures, lg.replays))))
-        assert got.token_ids == ref.token_ids
-        torch.testing.assert_close(got.extra["logprobs"], ref.extra["logprobs"], rtol=0, atol=1e-5)
-        assert got.recomputed_tokens == ref.recomputed_tokens
+    seen = _ways(eager, graphs, lg, [(QUESTION, DOCS)] * 3 + [(QUESTION, DOCS[::-1])], kw, wait=True)
     # 1st eager; 2nd eager, then captured when idle; then replays
     assert seen == [(1, 0, 0), (1, 1, 0), (0, 0, 1), (0, 0, 1)], seen
     assert not lg.backlog and len(lg.entries) == 1
@@ -321,16 +313,9 @@ def test_a_due_bucket_seen_again_before_idle_time_is_captured_on_that_request(mo
     """A server that never idles still gets its graphs: a bucket left due for capture and seen again before the
     engine was idle is captured on that request's path (answering from the capture's warm-up run), then replayed;
     `reset` forgets what was due."""
-    eager, graphs, lg = _graph_engines(monkeypatch, defer_idle=False)
+    eager, graphs, lg = _graph_engines(monkeypatch, idle=True, idle_reported=False)
     kw = dict(strategy="infoflow", recompute_ratio=0.3, max_new_tokens=4, return_logprobs=True)
-    seen = []
-    for question, docs in [(QUESTION, DOCS)] * 4:
-        ref = eager.generate(question, docs, **kw)
-        before = (lg.eager_runs, lg.captures, lg.replays)
-        got = graphs.generate(question, docs, **kw)
-        seen.append(tuple(b - a for a, b in zip(before, (lg.eager_runs, lg.captures, lg.replays))))
-        assert got.token_ids == ref.token_ids
-        torch.testing.assert_close(got.extra["logprobs"], ref.extra["logprobs"], rtol=0, atol=1e-5)
+    seen = _ways(eager, graphs, lg, [(QUESTION, DOCS)] * 4, kw)
     assert seen == [(1, 0, 0), (1, 0, 0), (0, 1, 0), (0, 0, 1)], seen
     assert not lg.backlog
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)  # reset starts a new pool (CUDA only)
