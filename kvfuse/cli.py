@@ -46,6 +46,8 @@ def _engine(args):
     for name in ("guard_margin", "guard_tokens", "guard_at"):
         if getattr(args, name, None) is not None:
             config[name] = getattr(args, name)
+    if getattr(args, "idle_captures", False):
+        config["idle_captures"] = True
     return FusionEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype,
                                         cache_dir=args.cache_dir, disk_cache=not getattr(args, "no_disk_cache", False),
                                         adapter=_adapter_arg(getattr(args, "adapter", None)),
@@ -808,6 +810,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup-questions", default=None, metavar="LO:HI",
                    help="question lengths to warm, in prompt-tail tokens (default 16:128)")
     p.add_argument("--warmup-ratios", default=None, help="comma-separated recompute ratios to warm (default 0.15)")
+    p.add_argument("--idle-captures", action="store_true",
+                   help="capture a shape bucket's CUDA graph in the engine's idle time instead of on the path of the "
+                        "request that makes it due (that request then costs an eager run, not about twice one); for "
+                        "a server that is the GPU's only user in its process (EngineConfig.idle_captures)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("route", help="one OpenAI-compatible front over several `kvfuse serve` replicas, routing each "

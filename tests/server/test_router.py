@@ -278,6 +278,22 @@ def test_serve_sizes_its_gpu_pool_by_share(argv, share, monkeypatch):
     assert "gpu_memory_share" not in seen
 
 
+def test_serve_idle_captures_reaches_the_engine_config(monkeypatch):
+    """`kvfuse serve --idle-captures` builds an engine with EngineConfig.idle_captures (off without the flag; what
+    it does to the bucket graphs: tests/engine/test_bucketed.py)."""
+    from kvfuse import cli
+    from kvfuse.engine import api
+    from kvfuse.engine.config import EngineConfig
+
+    seen = {}
+    monkeypatch.setattr(api.FusionEngine, "from_pretrained", staticmethod(lambda *a, **k: seen.update(k)))
+    cli._engine(cli.build_parser().parse_args(["serve", "--idle-captures"]))
+    assert seen.get("idle_captures") is True
+    seen.clear()
+    cli._engine(cli.build_parser().parse_args(["serve"]))
+    assert "idle_captures" not in seen and EngineConfig().idle_captures is False
+
+
 def test_serve_refuses_a_bad_gpu_share_before_loading(capsys):
     from kvfuse.cli import main
 
