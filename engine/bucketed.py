@@ -36,8 +36,9 @@ answers from the capture's warm-up run (it computes once plus the recording, ins
 as much as running the kernels eagerly, so where the host dominates that request still costs about twice an eager
 run. With `defer` (EngineConfig.idle_captures, off by default) it runs eagerly instead and the capture waits for the
 engine's idle time (`capture_deferred`, called by the scheduler between requests, as deferred document caches are
-built); a bucket seen again before the engine was idle is captured on that request's path. Selection (probe + top-k) is its own graph, so its time is measured apart (`selection_s`). The exact-layout
-graphs of `engine/runner.py` remain for what is not eligible.
+built); a bucket seen again before the engine was idle is captured on that request's path. Selection (probe +
+top-k) is its own graph, so its time is measured apart (`selection_s`). The exact-layout graphs of
+`engine/runner.py` remain for what is not eligible.
 """
 from __future__ import annotations
 
