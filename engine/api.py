@@ -1064,7 +1064,7 @@ class FusionEngine:
                 + sum(len(lg.backlog) for lg in self._graph_layouts()))
 
     def wait_for_deferred(self, timeout: float = 60.0) -> bool:
-        """Blocks until every deferred cache and index is built (True) or `timeout` seconds pass (False)."""
+        """Blocks until every deferred cache, graph and index is built (True) or `timeout` seconds pass (False)."""
         return _wait_until(lambda: not self.deferred_work, timeout)
 
     def build_deferred_index(self) -> bool:
