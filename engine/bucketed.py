@@ -269,8 +269,8 @@ class LayoutGraphs:
         self.failed: dict = {}  # bucket key -> why its capture failed (it runs eagerly for good)
         self.capture_after = self.capture_after_default  # sightings of a bucket before it is captured
         # True: the capturing request answers from its capture's warm-up run (it computes once); False: the new
-        # graph is replayed on top (twice; tests/engine/test_bucketed.py only: the default measured 1.07-1.81x faster on an H100,
-        # docs/gpu/README.md).
+        # graph is replayed on top (twice; used by tests/engine/test_bucketed.py only: the default measured 1.07-1.81x
+        # faster on an H100, docs/gpu/README.md).
         self.keep_warm = KEEP_WARM
         self.defer = defer
         self.backlog: OrderedDict = OrderedDict()  # bucket key -> (host facts, strategy, ratio) of its last request
