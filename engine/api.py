@@ -228,6 +228,9 @@ class FusionEngine:
             for i in range(0, len(docs), 16):  # in slices: the bar moves, and only a slice is held from eviction
                 with self.doc_cache.hold(), _on_device(self.device):
                     _, n = self.doc_cache.kvs(docs[i:i + 16], strat, doc_ids[i:i + 16])
+                    if getattr(strat, "cache_variant", None) and not self._documents_adapted:
+                        # any document may come first in a prompt, where its plain cache is served (exact)
+                        n += self.doc_cache.kvs(docs[i:i + 16], None, doc_ids[i:i + 16])[1]
                 tokens += n
                 bar.update(len(docs[i:i + 16]))
             bar.close()
@@ -824,15 +827,20 @@ class FusionEngine:
         if hasattr(strat, "use_model_profile"):  # e.g. qcfuse's critical layers, found offline per model
             strat.use_model_profile(load_profile(self))
         miss_tokens, kvs = 0, [None] * len(docs)
+        # the first document right after the cached prefix it was computed after: its plain cache IS what full
+        # prefill computes there (documents computed with the fusion adapter offline differ by design: not exact).
+        # A strategy with a cache variant (fusionrag) gets that plain cache for it too, the variant for the others.
+        exact = (strat.uses_cache and layout.prefix_cached and bool(layout.docs)
+                 and layout.docs[0].start == layout.prefix.end and not self._documents_adapted)
         if strat.uses_cache:
-            pairs, miss_tokens = self.doc_cache.kvs(docs, strat, doc_ids)
+            if exact and getattr(strat, "cache_variant", None):
+                pairs, miss_tokens = self.doc_cache.kvs(docs[:1], None, doc_ids[:1])
+                rest, more = self.doc_cache.kvs(docs[1:], strat, doc_ids[1:])
+                pairs, miss_tokens = pairs + rest, miss_tokens + more
+            else:
+                pairs, miss_tokens = self.doc_cache.kvs(docs, strat, doc_ids)
             kvs = [kv if not n else _head(kv, n) for (_, kv), n in zip(pairs, keep or [None] * len(pairs))]
         prefix_kv = self.doc_cache.prefix_kv() if strat.uses_cache and layout.prefix_cached else None
-        # the first document right after the cached prefix it was computed after: its cache IS what full prefill
-        # computes there (fusionrag's variants are computed with other context, documents computed with the fusion
-        # adapter offline differ by design: not exact)
-        exact = (prefix_kv is not None and bool(layout.docs) and layout.docs[0].start == layout.prefix.end
-                 and not getattr(strat, "cache_variant", None) and not self._documents_adapted)
         miss_s = time.perf_counter() - t0 if miss_tokens else 0.0
         return layout, _segments(layout, prefix_kv, kvs, exact, self.prompts.question_span(layout)), miss_s
 

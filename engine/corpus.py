@@ -12,6 +12,9 @@ Neighbour rule (what keeps it offline and leak-free):
   question's own retrieval set into its documents would leak the retrieval result into the offline step; with
   groups, an evaluation corpus is the whole dataset's passage pool (all questions), and each passage's neighbours
   exclude every passage it was ever retrieved with. Outside evaluation, no groups are needed.
+  `neighbours(..., co_retrieved=True)` ignores the groups: the FusionRAG paper's rule, where the most similar
+  passages of the corpus are often the ones retrieved with the document (in an evaluation this is the leak above;
+  `fusionrag(neighbours="co-retrieved")` measures it beside the leak-free default).
 - Similarity: cosine of all-MiniLM-L6-v2 sentence embeddings of the texts (any `embed` callable can replace it).
 - Fewer neighbours on a small corpus: k = min(top_k, eligible // 4) (at least 1 when any is eligible).
 """
@@ -120,13 +123,14 @@ class Corpus:
             self._extra[key] = self._vectors([doc.text])[0]
         return self._extra[key]
 
-    def neighbours(self, doc: Any, top_k: int) -> list[Document]:
-        """The documents most similar to `doc` (most similar first), by the module's rule."""
+    def neighbours(self, doc: Any, top_k: int, co_retrieved: bool = False) -> list[Document]:
+        """The documents most similar to `doc` (most similar first), by the module's rule; `co_retrieved`: documents
+        of its groups may be neighbours too (the paper's rule)."""
         doc = as_documents([doc])[0]
         if top_k <= 0 or not self._keys:
             return []
         key = _text_key(doc.text)
-        banned = self._groups.get(key, set()) | {key}
+        banned = {key} if co_retrieved else self._groups.get(key, set()) | {key}
         sims = self._emb @ self.embedding(doc)
         eligible = torch.tensor([k not in banned for k in self._keys])
         n_ok = int(eligible.sum())
@@ -151,7 +155,7 @@ class FusionRagVariant:
     """Serves a document's FusionRAG cache: computed once with its corpus neighbours before it, then stored.
 
     Called by the engine's DocumentCache for strategies with `cache_variant = "fusionrag"`, with the strategy's
-    `variant_options` (`top_k`, `context`). Its corpus (`engine.corpus`) supplies the neighbours.
+    `variant_options` (`top_k`, `context`, `neighbours`). Its corpus (`engine.corpus`) supplies the neighbours.
 
     Args:
         max_context_tokens: cap on the neighbours' tokens prefilled before a document (most similar kept).
@@ -173,10 +177,11 @@ class FusionRagVariant:
                              "engine.corpus = Corpus().add(documents) (kvfuse.engine.corpus)")
         opts = dict(getattr(strategy, "variant_options", {}))
         top_k, mode = int(opts.get("top_k", 10)), opts.get("context", "full")
+        co_retrieved = opts.get("neighbours", "leak-free") == "co-retrieved"
         prefix = cache.prompts.prefix_ids
         cap = min(self.max_context_tokens, cache.context_window - len(prefix) - len(ids) - 1)
         picked, total = [], 0
-        for n in corpus.neighbours(doc, top_k):
+        for n in corpus.neighbours(doc, top_k, co_retrieved):
             nid = cache.prompts.encode_document(n)
             if total + len(nid) > cap:
                 break

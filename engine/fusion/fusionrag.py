@@ -6,7 +6,9 @@ Offline, each document's cache is computed with its `top_k` most similar documen
 own rows are kept. This cache variant is stored apart from the plain cache (its key covers the variant, the
 context mode and the neighbours' content). The engine serves it to this strategy: the strategy only declares
 `cache_variant = "fusionrag"` and `variant_options`; the corpus and the neighbour rule live in
-`engine/corpus.py`. The fused prompt still holds only the retrieved documents.
+`engine/corpus.py`. The fused prompt still holds only the retrieved documents. The first document, right after
+the cached prefix, keeps its plain cache: computed after that same prefix, it is exact there (what full prefill
+computes), so a neighbour-context variant could only move it away; its tokens are not candidates.
 
 Online, the question is probed over the fused variant caches at layers spread over the depth; each candidate's
 score is its attention from the question rows (mean over rows and heads, each layer normalised over the
@@ -18,6 +20,7 @@ from .base import register
 from .prophetkv import ProphetKV
 
 CONTEXT_MODES = ("full", "cached")
+NEIGHBOUR_RULES = ("leak-free", "co-retrieved")
 
 
 @register
@@ -29,26 +32,33 @@ class FusionRAG(ProphetKV):
     graph_safe = False  # not yet run under CUDA graphs
     layout_free = False  # its caches are per-request variants
 
-    def __init__(self, top_k: int = 10, context: str = "full", layers=None, n_probe: int = 6, lo: float = 0.25,
-                 hi: float = 1.0) -> None:
+    def __init__(self, top_k: int = 10, context: str = "full", neighbours: str = "leak-free", layers=None,
+                 n_probe: int = 6, lo: float = 0.25, hi: float = 1.0) -> None:
         """
         Args:
             top_k: neighbours prefilled before each document offline (fewer when the corpus is small).
             context: "full" prefills the neighbours and the document together (the paper's offline step);
                 "cached" computes only the document's rows, attending to the neighbours' plain caches (cheaper).
+            neighbours: "leak-free" never picks a document registered in the same corpus group (retrieved with it
+                for some question: engine/corpus.py); "co-retrieved" may (the paper's rule; in an evaluation the
+                question's own passages can then be baked into each other's caches).
             layers / n_probe / lo / hi: the probe layers, as for `prophetkv`.
         """
         if top_k < 0:
             raise ValueError("top_k must be >= 0")
         if context not in CONTEXT_MODES:
             raise ValueError(f"context must be one of {CONTEXT_MODES}, got {context!r}")
+        if neighbours not in NEIGHBOUR_RULES:
+            raise ValueError(f"neighbours must be one of {NEIGHBOUR_RULES}, got {neighbours!r}")
         super().__init__(layers=layers, n_probe=n_probe, lo=lo, hi=hi)
         self.top_k = int(top_k)
         self.context = context
+        self.neighbours = neighbours
 
     @property
     def variant_options(self) -> dict:
-        return {"top_k": self.top_k, "context": self.context}
+        return {"top_k": self.top_k, "context": self.context, "neighbours": self.neighbours}
 
     def describe(self) -> str:
-        return f"{self.name}(k={self.top_k},{self.context})"
+        rule = "" if self.neighbours == "leak-free" else f",{self.neighbours}"
+        return f"{self.name}(k={self.top_k},{self.context}{rule})"

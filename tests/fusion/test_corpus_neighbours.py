@@ -49,6 +49,14 @@ def test_groups_are_never_each_others_neighbours():
     assert "a2" in _ids(c.neighbours(("a3", POOL[2][1]), 2))  # others still see both
 
 
+def test_the_papers_rule_lets_co_retrieved_documents_be_neighbours():
+    c = Corpus(word_embedder()).add(POOL + [(f"x{i}", f"filler text number {i}") for i in range(30)])
+    c.add(POOL[:2], group="question-1")
+    assert "a2" not in _ids(c.neighbours(("a1", POOL[0][1]), 2))
+    assert _ids(c.neighbours(("a1", POOL[0][1]), 2, co_retrieved=True))[0] == "a2"  # the most similar again
+    assert "a1" not in _ids(c.neighbours(("a1", POOL[0][1]), 5, co_retrieved=True))  # never itself
+
+
 def test_documents_outside_the_corpus_are_embedded_on_the_fly():
     c = Corpus(word_embedder()).add(POOL)
     assert Document("q", "cello and violin strings") not in c
@@ -101,10 +109,15 @@ def test_variant_is_stored_apart_and_keyed_by_its_neighbours(fusion_engine, tmp_
     r = e.generate(QUESTION, DOCS, strategy="fusionrag", recompute_ratio=0.2, max_new_tokens=2)
     assert r.cache_misses == 0 and r.miss_prefill_s == 0.0
     plain = e.generate(QUESTION, DOCS, strategy="reuse", max_new_tokens=2)
-    assert plain.cache_misses == len(DOCS)  # variants are stored apart: the plain caches were never made
+    assert plain.cache_misses == 0  # the plain caches are precomputed too: any document may come first
+    strat = make_strategy("fusionrag")
+    variants = [e.cache_variants["fusionrag"](e, strat, d, e.prompts.encode_document(d))[0]
+                for d in as_documents(DOCS)]
+    plains = [kv for _, kv in e.doc_cache.kvs(as_documents(DOCS))[0]]
+    assert all((v.k - p.k).abs().max() > 1e-3 for v, p in zip(variants, plains))  # stored apart, both kept
     cached = e.generate(QUESTION, DOCS, strategy="fusionrag", context="cached", recompute_ratio=0.2,
                         max_new_tokens=2)
-    assert cached.cache_misses >= len(DOCS)  # another context mode is another variant (+ neighbours' plain caches)
+    assert cached.cache_misses >= len(DOCS) - 1  # another context mode is another variant (all but the first)
     cached = e.generate(QUESTION, DOCS, strategy="fusionrag", context="cached", recompute_ratio=0.2,
                         max_new_tokens=2)
     assert cached.cache_misses == 0
@@ -112,6 +125,27 @@ def test_variant_is_stored_apart_and_keyed_by_its_neighbours(fusion_engine, tmp_
     again = e.generate(QUESTION, DOCS, strategy="fusionrag", recompute_ratio=0.2, max_new_tokens=2)
     assert again.cache_misses >= 1  # a document whose neighbours changed gets a new variant
     assert e.cache_stats()["misses"] > before["misses"]
+
+
+def test_the_first_document_keeps_its_exact_plain_cache_the_others_their_variants(fusion_engine):
+    e = _engine(fusion_engine)
+    strat = make_strategy("fusionrag")
+    docs = as_documents(DOCS)
+    layout, segs, _ = e._prepare(QUESTION, docs, strat)
+    plains = [kv for _, kv in e.doc_cache.kvs(docs)[0]]
+    by_start = {s.start: s for s in segs}
+    first, rest = by_start[layout.docs[0].start], [by_start[sp.start] for sp in layout.docs[1:]]
+    assert first.exact and all(not s.exact for s in rest)
+    torch.testing.assert_close(first.kv.k, plains[0].k, rtol=0, atol=0)
+    torch.testing.assert_close(first.kv.v, plains[0].v, rtol=0, atol=0)
+    for s, d, p in zip(rest, docs[1:], plains[1:]):
+        v = e.cache_variants["fusionrag"](e, strat, d, e.prompts.encode_document(d))[0]
+        torch.testing.assert_close(s.kv.k, v.k, rtol=0, atol=0)
+        assert (s.kv.k - p.k).abs().max() > 1e-3
+    # the exact first document is what full prefill computes there: reuse of it alone changes nothing
+    full = e.runner.prefill(layout.ids, [Segment(0, layout.ids.numel(), None)], make_strategy("reuse"), 0.0,
+                            capture=(first.start, first.end), want_logits=False).captured
+    torch.testing.assert_close(first.kv.k, full.k, rtol=0, atol=1e-5)
 
 
 def test_fusionrag_needs_a_corpus(fusion_engine):
