@@ -176,7 +176,7 @@ class FusionRagVariant:
             raise ValueError("strategy 'fusionrag' needs a corpus to find each document's neighbours: set "
                              "engine.corpus = Corpus().add(documents) (kvfuse.engine.corpus)")
         opts = dict(getattr(strategy, "variant_options", {}))
-        top_k, mode = int(opts.get("top_k", 10)), opts.get("context", "full")
+        top_k, mode = int(opts.get("top_k", 3)), opts.get("context", "cached")  # fusionrag's defaults
         co_retrieved = opts.get("neighbours", "leak-free") == "co-retrieved"
         prefix = cache.prompts.prefix_ids
         cap = min(self.max_context_tokens, cache.context_window - len(prefix) - len(ids) - 1)

@@ -81,7 +81,7 @@ def _engine(fusion_engine, **config):
 
 def test_variant_is_the_document_prefilled_after_its_neighbours(fusion_engine):
     e = _engine(fusion_engine)
-    strat = make_strategy("fusionrag")
+    strat = make_strategy("fusionrag", context="full")
     d = as_documents(DOCS)[2]
     nbrs = e.corpus.neighbours(d, strat.top_k)
     assert nbrs and d.id not in _ids(nbrs)
@@ -100,6 +100,21 @@ def test_variant_is_the_document_prefilled_after_its_neighbours(fusion_engine):
     assert (plain.k - kv.k).abs().max() > 1e-3  # the neighbours changed the cache
 
 
+def test_the_cached_mode_with_one_neighbour_is_the_full_mode(fusion_engine):
+    # one neighbour sits right after the prefix, where its plain cache is exact: reading that cache as context
+    # (the default, cheaper mode) must then give what prefilling it with the document gives (the paper's mode)
+    e = _engine(fusion_engine)
+    d = as_documents(DOCS)[2]
+    ids = e.prompts.encode_document(d)
+    cached = e.cache_variants["fusionrag"](e, make_strategy("fusionrag", top_k=1), d, ids)[0]
+    full = e.cache_variants["fusionrag"](e, make_strategy("fusionrag", top_k=1, context="full"), d, ids)[0]
+    torch.testing.assert_close(cached.k, full.k, rtol=0, atol=1e-5)
+    torch.testing.assert_close(cached.v, full.v, rtol=0, atol=1e-5)
+    e.corpus.add([(f"x{i}", f"Filler passage number {i} about the weather.") for i in range(6)])
+    two = e.cache_variants["fusionrag"](e, make_strategy("fusionrag", top_k=2), d, ids)[0]
+    assert len(e.corpus.neighbours(d, 2)) == 2 and (two.k - cached.k).abs().max() > 1e-3  # a 2nd: not exact
+
+
 def test_variant_is_stored_apart_and_keyed_by_its_neighbours(fusion_engine, tmp_path):
     e = _engine(fusion_engine, disk_cache_dir=tmp_path / "kv")
     e.precompute(DOCS, strategy="fusionrag")
@@ -115,12 +130,12 @@ def test_variant_is_stored_apart_and_keyed_by_its_neighbours(fusion_engine, tmp_
                 for d in as_documents(DOCS)]
     plains = [kv for _, kv in e.doc_cache.kvs(as_documents(DOCS))[0]]
     assert all((v.k - p.k).abs().max() > 1e-3 for v, p in zip(variants, plains))  # stored apart, both kept
-    cached = e.generate(QUESTION, DOCS, strategy="fusionrag", context="cached", recompute_ratio=0.2,
-                        max_new_tokens=2)
-    assert cached.cache_misses >= len(DOCS) - 1  # another context mode is another variant (all but the first)
-    cached = e.generate(QUESTION, DOCS, strategy="fusionrag", context="cached", recompute_ratio=0.2,
-                        max_new_tokens=2)
-    assert cached.cache_misses == 0
+    other = e.generate(QUESTION, DOCS, strategy="fusionrag", context="full", recompute_ratio=0.2,
+                       max_new_tokens=2)
+    assert other.cache_misses >= len(DOCS) - 1  # another context mode is another variant (all but the first)
+    other = e.generate(QUESTION, DOCS, strategy="fusionrag", context="full", recompute_ratio=0.2,
+                       max_new_tokens=2)
+    assert other.cache_misses == 0
     e.corpus.add([("c5", "Amelia Voss was born in Dunmore, a river town, and became an astronomer.")])
     again = e.generate(QUESTION, DOCS, strategy="fusionrag", recompute_ratio=0.2, max_new_tokens=2)
     assert again.cache_misses >= 1  # a document whose neighbours changed gets a new variant

@@ -10,13 +10,13 @@ from strategy_cases import check_selection, make_ctx, plant
 
 
 def test_declares_its_cache_variant():
-    s = make_strategy("fusionrag", top_k=3, context="cached")
+    s = make_strategy("fusionrag", top_k=10, context="full")
     assert s.cache_variant == "fusionrag"
-    assert s.variant_options == {"top_k": 3, "context": "cached", "neighbours": "leak-free"}
-    assert make_strategy("fusionrag").variant_options == {"top_k": 10, "context": "full", "neighbours": "leak-free"}
-    paper = make_strategy("fusionrag:neighbours=co-retrieved:top_k=3")
-    assert paper.variant_options == {"top_k": 3, "context": "full", "neighbours": "co-retrieved"}
-    assert paper.describe() == "fusionrag(k=3,full,co-retrieved)"
+    assert s.variant_options == {"top_k": 10, "context": "full", "neighbours": "leak-free"}
+    assert make_strategy("fusionrag").variant_options == {"top_k": 3, "context": "cached", "neighbours": "leak-free"}
+    paper = make_strategy("fusionrag:neighbours=co-retrieved:top_k=10:context=full")
+    assert paper.variant_options == {"top_k": 10, "context": "full", "neighbours": "co-retrieved"}
+    assert paper.describe() == "fusionrag(k=10,full,co-retrieved)"
     with pytest.raises(ValueError, match="context"):
         make_strategy("fusionrag", context="nearby")
     with pytest.raises(ValueError, match="neighbours"):
