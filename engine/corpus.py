@@ -176,17 +176,9 @@ class FusionRagVariant:
             raise ValueError("strategy 'fusionrag' needs a corpus to find each document's neighbours: set "
                              "engine.corpus = Corpus().add(documents) (kvfuse.engine.corpus)")
         opts = dict(getattr(strategy, "variant_options", {}))
-        top_k, mode = int(opts.get("top_k", 3)), opts.get("context", "cached")  # fusionrag's defaults
-        co_retrieved = opts.get("neighbours", "leak-free") == "co-retrieved"
+        mode = opts.get("context", "cached")  # fusionrag's default
+        picked = self.context_of(cache, corpus, doc, ids, opts)
         prefix = cache.prompts.prefix_ids
-        cap = min(self.max_context_tokens, cache.context_window - len(prefix) - len(ids) - 1)
-        picked, total = [], 0
-        for n in corpus.neighbours(doc, top_k, co_retrieved):
-            nid = cache.prompts.encode_document(n)
-            if total + len(nid) > cap:
-                break
-            picked.append((n, nid))
-            total += len(nid)
         if not picked:
             pairs, tokens = cache.kvs([doc], None, [ids])  # no neighbour: the plain cache
             return pairs[0][1], tokens
@@ -204,6 +196,24 @@ class FusionRagVariant:
             pairs, tokens = cache.kvs([n for n, _ in picked], None, [nid for _, nid in picked])
             kv, tokens = cache.compute(ids, pairs), tokens + len(ids)
         return cache.store.put(None, key, kv), tokens
+
+
+    def context_of(self, cache, corpus: Corpus, doc: Document, ids: list[int], opts: dict
+                   ) -> list[tuple[Document, list[int]]]:
+        """The neighbours (document, token ids) computed before `doc`, most similar first: the corpus's pick by the
+        options' `top_k` and `neighbours` rule, cut where their tokens would pass `max_context_tokens` or the room
+        the context window leaves beside the prefix and the document."""
+        top_k = int(opts.get("top_k", 3))  # fusionrag's default
+        co_retrieved = opts.get("neighbours", "leak-free") == "co-retrieved"
+        cap = min(self.max_context_tokens, cache.context_window - len(cache.prompts.prefix_ids) - len(ids) - 1)
+        picked, total = [], 0
+        for n in corpus.neighbours(doc, top_k, co_retrieved):
+            nid = cache.prompts.encode_document(n)
+            if total + len(nid) > cap:
+                break
+            picked.append((n, nid))
+            total += len(nid)
+        return picked
 
 
 def default_cache_variants() -> dict:
