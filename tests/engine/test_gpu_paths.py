@@ -240,7 +240,9 @@ def test_user_path_gguf_converted_then_served_with_every_strategy(tmp_path, grap
                 for _ in range(3)]  # cold, warm, warm again (a graph signature seen twice is captured)
         torch.cuda.synchronize()
         if strategy not in ("full", "sift"):  # sift reads per-document indexes, not K/V caches
-            assert runs[0].cache_misses == len(DOCS) and runs[1].cache_hits == len(DOCS), strategy
+            # fusionrag's default variant reads its neighbours' plain caches too (a miss each when not cached yet)
+            cold = runs[0].cache_misses >= len(DOCS) if strategy == "fusionrag" else runs[0].cache_misses == len(DOCS)
+            assert cold and runs[1].cache_hits == len(DOCS), strategy
         assert runs[0].token_ids == runs[1].token_ids == runs[2].token_ids, strategy
 
 
