@@ -197,7 +197,6 @@ class FusionRagVariant:
             kv, tokens = cache.compute(ids, pairs), tokens + len(ids)
         return cache.store.put(None, key, kv), tokens
 
-
     def context_of(self, cache, corpus: Corpus, doc: Document, ids: list[int], opts: dict
                    ) -> list[tuple[Document, list[int]]]:
         """The neighbours (document, token ids) computed before `doc`, most similar first: the corpus's pick by the
