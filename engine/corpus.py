@@ -35,6 +35,7 @@ from .types import Document, as_documents
 __all__ = ["Corpus", "minilm_embedder", "FusionRagVariant", "default_cache_variants", "variant_key"]
 
 VARIANT_VERSION = 1
+PICKS = ("similar", "random", "first")
 
 _MINILM = None
 _MINILM_LOCK = threading.Lock()
@@ -123,22 +124,32 @@ class Corpus:
             self._extra[key] = self._vectors([doc.text])[0]
         return self._extra[key]
 
-    def neighbours(self, doc: Any, top_k: int, co_retrieved: bool = False) -> list[Document]:
+    def neighbours(self, doc: Any, top_k: int, co_retrieved: bool = False, pick: str = "similar") -> list[Document]:
         """The documents most similar to `doc` (most similar first), by the module's rule; `co_retrieved`: documents
-        of its groups may be neighbours too (the paper's rule)."""
+        of its groups may be neighbours too (the paper's rule). `pick` (controls, to tell what the context adds
+        from what its similarity adds): "random", eligible documents in an order drawn from a hash of the two
+        texts (stable across runs and corpus order); "first", the earliest registered eligible documents."""
         doc = as_documents([doc])[0]
+        if pick not in PICKS:
+            raise ValueError(f"pick must be one of {PICKS}, got {pick!r}")
         if top_k <= 0 or not self._keys:
             return []
         key = _text_key(doc.text)
         banned = {key} if co_retrieved else self._groups.get(key, set()) | {key}
-        sims = self._emb @ self.embedding(doc)
         eligible = torch.tensor([k not in banned for k in self._keys])
         n_ok = int(eligible.sum())
         k = min(top_k, max(1, n_ok // 4)) if n_ok else 0
         if k == 0:
             return []
-        sims = sims.masked_fill(~eligible, float("-inf"))
-        idx = torch.topk(sims, k).indices.tolist()
+        if pick == "similar":
+            score = self._emb @ self.embedding(doc)
+        elif pick == "random":
+            score = torch.tensor([float(int(hashlib.sha1(f"{key}|{c}".encode()).hexdigest()[:12], 16))
+                                  for c in self._keys], dtype=torch.float64)
+        else:
+            score = -torch.arange(len(self._keys), dtype=torch.float64)
+        score = score.masked_fill(~eligible, float("-inf"))
+        idx = torch.topk(score, k).indices.tolist()
         return [self._docs[i] for i in idx]
 
 
@@ -204,9 +215,10 @@ class FusionRagVariant:
         the context window leaves beside the prefix and the document."""
         top_k = int(opts.get("top_k", 3))  # fusionrag's default
         co_retrieved = opts.get("neighbours", "leak-free") == "co-retrieved"
+        pick = opts.get("pick", "similar")
         cap = min(self.max_context_tokens, cache.context_window - len(cache.prompts.prefix_ids) - len(ids) - 1)
         picked, total = [], 0
-        for n in corpus.neighbours(doc, top_k, co_retrieved):
+        for n in corpus.neighbours(doc, top_k, co_retrieved, pick):
             nid = cache.prompts.encode_document(n)
             if total + len(nid) > cap:
                 break

@@ -25,6 +25,7 @@ from .prophetkv import ProphetKV
 
 CONTEXT_MODES = ("full", "cached")
 NEIGHBOUR_RULES = ("leak-free", "co-retrieved")
+PICKS = ("similar", "random", "first")
 
 
 @register
@@ -36,7 +37,8 @@ class FusionRAG(ProphetKV):
     graph_safe = False  # not yet run under CUDA graphs
     layout_free = False  # its caches are per-request variants
 
-    def __init__(self, top_k: int = 3, context: str = "cached", neighbours: str = "leak-free", layers=None,
+    def __init__(self, top_k: int = 3, context: str = "cached", neighbours: str = "leak-free", pick: str = "similar",
+                 layers=None,
                  n_probe: int = 6, lo: float = 0.25, hi: float = 1.0) -> None:
         """
         Args:
@@ -46,6 +48,9 @@ class FusionRAG(ProphetKV):
             neighbours: "leak-free" never picks a document registered in the same corpus group (retrieved with it
                 for some question: engine/corpus.py); "co-retrieved" may (the paper's rule; in an evaluation the
                 question's own passages can then be baked into each other's caches).
+            pick: "similar" (default: the most similar eligible documents); "random" or "first" (the earliest
+                registered) eligible documents: controls that measure what any cross-document context adds
+                beside what a similar one adds.
             layers / n_probe / lo / hi: the probe layers, as for `prophetkv`.
         """
         if top_k < 0:
@@ -54,15 +59,22 @@ class FusionRAG(ProphetKV):
             raise ValueError(f"context must be one of {CONTEXT_MODES}, got {context!r}")
         if neighbours not in NEIGHBOUR_RULES:
             raise ValueError(f"neighbours must be one of {NEIGHBOUR_RULES}, got {neighbours!r}")
+        if pick not in PICKS:
+            raise ValueError(f"pick must be one of {PICKS}, got {pick!r}")
         super().__init__(layers=layers, n_probe=n_probe, lo=lo, hi=hi)
         self.top_k = int(top_k)
         self.context = context
         self.neighbours = neighbours
+        self.pick = pick
 
     @property
     def variant_options(self) -> dict:
-        return {"top_k": self.top_k, "context": self.context, "neighbours": self.neighbours}
+        opts = {"top_k": self.top_k, "context": self.context, "neighbours": self.neighbours}
+        if self.pick != "similar":  # the default leaves the options (and so cache keys) as they were
+            opts["pick"] = self.pick
+        return opts
 
     def describe(self) -> str:
-        rule = "" if self.neighbours == "leak-free" else f",{self.neighbours}"
+        rule = ("" if self.neighbours == "leak-free" else f",{self.neighbours}") + (
+            "" if self.pick == "similar" else f",{self.pick}")
         return f"{self.name}(k={self.top_k},{self.context}{rule})"

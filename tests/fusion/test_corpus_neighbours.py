@@ -57,6 +57,26 @@ def test_the_papers_rule_lets_co_retrieved_documents_be_neighbours():
     assert "a1" not in _ids(c.neighbours(("a1", POOL[0][1]), 5, co_retrieved=True))  # never itself
 
 
+def test_random_and_first_picks_keep_the_rules_and_ignore_similarity():
+    fill = [(f"x{i}", f"filler text number {i}") for i in range(30)]
+    c = Corpus(word_embedder()).add(POOL + fill)
+    c.add(POOL[:2], group="question-1")
+    a1 = ("a1", POOL[0][1])
+    first = c.neighbours(a1, 3, pick="first")
+    assert _ids(first) == ["a3", "b1", "b2"]  # registration order, a1 (itself) and a2 (its group) skipped
+    assert "a2" in _ids(c.neighbours(a1, 3, co_retrieved=True, pick="first"))
+    rand = c.neighbours(a1, 5, pick="random")
+    assert len(rand) == 5 and not {"a1", "a2"} & set(_ids(rand))
+    assert _ids(rand) == _ids(c.neighbours(a1, 5, pick="random"))  # stable
+    shuffled = Corpus(word_embedder()).add(list(reversed(POOL + fill)))
+    shuffled.add(POOL[:2], group="question-1")
+    assert _ids(shuffled.neighbours(a1, 5, pick="random")) == _ids(rand)  # independent of corpus order
+    assert _ids(rand) != _ids(c.neighbours(a1, 5))  # not the similarity order
+    assert _ids(c.neighbours(("b1", POOL[3][1]), 5, pick="random")) != _ids(rand)  # drawn per document
+    with pytest.raises(ValueError, match="pick"):
+        c.neighbours(a1, 2, pick="nearest")
+
+
 def test_documents_outside_the_corpus_are_embedded_on_the_fly():
     c = Corpus(word_embedder()).add(POOL)
     assert Document("q", "cello and violin strings") not in c
