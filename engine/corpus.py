@@ -35,7 +35,33 @@ from .types import Document, as_documents
 __all__ = ["Corpus", "minilm_embedder", "FusionRagVariant", "default_cache_variants", "variant_key"]
 
 VARIANT_VERSION = 1
-PICKS = ("similar", "random", "first")
+PICKS = ("similar", "random", "first", "builtin")
+
+# pick="builtin": a fixed context of three short encyclopedic passages (written for kvfuse; neutral topics), so a
+# document's cache can be computed with other documents before it without any corpus or embedder.
+BUILTIN_CONTEXT = (
+    ("kvfuse-context-1",
+     "The Danube is the second-longest river in Europe. It rises in the Black Forest of Germany and flows "
+     "south-east for about 2,850 kilometres through or along the borders of ten countries, among them Austria, "
+     "Slovakia, Hungary, Croatia, Serbia, Romania, Bulgaria, Moldova and Ukraine, before it empties into the Black "
+     "Sea through a wide delta. Four capital cities stand on its banks: Vienna, Bratislava, Budapest and Belgrade. "
+     "For centuries the river has carried trade between central Europe and the east, and today a canal links it "
+     "with the Main and the Rhine, so that barges can travel from the North Sea to the Black Sea."),
+    ("kvfuse-context-2",
+     "Photosynthesis is the process by which green plants, algae and some bacteria turn light into chemical "
+     "energy. In the chloroplasts of a leaf, the pigment chlorophyll absorbs mostly red and blue light; that "
+     "energy splits water molecules, releasing oxygen, and drives the fixing of carbon dioxide from the air into "
+     "sugars in a cycle of reactions first traced in the 1940s and 1950s. Almost all of the oxygen in the "
+     "atmosphere and most of the energy in food chains on land come from it. The rate of photosynthesis depends "
+     "on the intensity of light, the concentration of carbon dioxide and the temperature."),
+    ("kvfuse-context-3",
+     "The printing press with movable metal type was developed in Mainz in the middle of the fifteenth century. "
+     "Its inventor cast individual letters in an alloy of lead, tin and antimony, set them in lines, inked them "
+     "with an oil-based ink and pressed paper onto them with a screw press adapted from those used to make wine. "
+     "Within fifty years presses were working in more than two hundred European towns, and millions of books had "
+     "been printed. Cheaper books spread literacy, helped standardise spelling in many languages and allowed "
+     "scholars to share the same texts across great distances."),
+)
 
 _MINILM = None
 _MINILM_LOCK = threading.Lock()
@@ -130,8 +156,8 @@ class Corpus:
         from what its similarity adds): "random", eligible documents in an order drawn from a hash of the two
         texts (stable across runs and corpus order); "first", the earliest registered eligible documents."""
         doc = as_documents([doc])[0]
-        if pick not in PICKS:
-            raise ValueError(f"pick must be one of {PICKS}, got {pick!r}")
+        if pick not in PICKS or pick == "builtin":
+            raise ValueError(f"pick must be one of {PICKS[:3]}, got {pick!r}")
         if top_k <= 0 or not self._keys:
             return []
         key = _text_key(doc.text)
@@ -183,10 +209,11 @@ class FusionRagVariant:
         `cache`: the engine's DocumentCache (engine/doccache.py), or an engine (its `doc_cache` is used)."""
         cache = getattr(cache, "doc_cache", cache)
         corpus = getattr(cache, "corpus", None)
-        if corpus is None:
-            raise ValueError("strategy 'fusionrag' needs a corpus to find each document's neighbours: set "
-                             "engine.corpus = Corpus().add(documents) (kvfuse.engine.corpus)")
         opts = dict(getattr(strategy, "variant_options", {}))
+        if corpus is None and opts.get("pick") != "builtin":
+            raise ValueError("strategy 'fusionrag' needs a corpus to find each document's neighbours: set "
+                             "engine.corpus = Corpus().add(documents) (kvfuse.engine.corpus), or use "
+                             "pick='builtin' (a fixed context, no corpus)")
         mode = opts.get("context", "cached")  # fusionrag's default
         picked = self.context_of(cache, corpus, doc, ids, opts)
         prefix = cache.prompts.prefix_ids
@@ -218,7 +245,12 @@ class FusionRagVariant:
         pick = opts.get("pick", "similar")
         cap = min(self.max_context_tokens, cache.context_window - len(cache.prompts.prefix_ids) - len(ids) - 1)
         picked, total = [], 0
-        for n in corpus.neighbours(doc, top_k, co_retrieved, pick):
+        if pick == "builtin":  # the fixed context, whatever the corpus; never the document itself
+            key = _text_key(doc.text)
+            found = [n for n in as_documents(BUILTIN_CONTEXT) if _text_key(n.text) != key][:max(top_k, 0)]
+        else:
+            found = corpus.neighbours(doc, top_k, co_retrieved, pick)
+        for n in found:
             nid = cache.prompts.encode_document(n)
             if total + len(nid) > cap:
                 break

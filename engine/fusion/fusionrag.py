@@ -25,7 +25,7 @@ from .prophetkv import ProphetKV
 
 CONTEXT_MODES = ("full", "cached")
 NEIGHBOUR_RULES = ("leak-free", "co-retrieved")
-PICKS = ("similar", "random", "first")
+PICKS = ("similar", "random", "first", "builtin")
 
 
 @register
@@ -50,7 +50,8 @@ class FusionRAG(ProphetKV):
                 question's own passages can then be baked into each other's caches).
             pick: "similar" (default: the most similar eligible documents); "random" or "first" (the earliest
                 registered) eligible documents: controls that measure what any cross-document context adds
-                beside what a similar one adds.
+                beside what a similar one adds; "builtin": a fixed context of three short passages shipped with
+                kvfuse (engine/corpus.py), no corpus needed.
             layers / n_probe / lo / hi: the probe layers, as for `prophetkv`.
         """
         if top_k < 0:

@@ -187,3 +187,31 @@ def test_fusionrag_needs_a_corpus(fusion_engine):
     e = fusion_engine("qwen2")
     with pytest.raises(ValueError, match="corpus"):
         e.generate(QUESTION, DOCS, strategy="fusionrag", max_new_tokens=2)
+
+
+def test_the_builtin_context_needs_no_corpus_and_is_the_document_prefilled_after_it(fusion_engine):
+    from kvfuse.engine.corpus import BUILTIN_CONTEXT
+    e = fusion_engine("qwen2")  # no corpus
+    strat = make_strategy("fusionrag", pick="builtin", top_k=2, context="full")
+    d = as_documents(DOCS)[2]
+    ids = e.prompts.encode_document(d)
+    kv, n = e.cache_variants["fusionrag"](e, strat, d, ids)
+    nbrs = as_documents(BUILTIN_CONTEXT[:2])
+    prefix = e.prompts.prefix_ids
+    ctx = [t for nb in reversed(nbrs) for t in e.prompts.encode_document(nb)]
+    full = torch.tensor(prefix + ctx + ids)
+    s = len(prefix) + len(ctx)
+    ref = e.runner.prefill(full, [Segment(0, full.numel(), None)], make_strategy("reuse"), 0.0,
+                           capture=(s, full.numel()), want_logits=False).captured
+    assert n == len(ctx) + len(ids)
+    torch.testing.assert_close(kv.k, ref.k, rtol=0, atol=1e-5)
+    # served end to end without a corpus: the first document exact, the others contextualised
+    r = e.generate(QUESTION, DOCS, strategy="fusionrag", pick="builtin", recompute_ratio=0.2, max_new_tokens=2)
+    assert r.cache_misses >= len(DOCS)
+    again = e.generate(QUESTION, DOCS, strategy="fusionrag", pick="builtin", recompute_ratio=0.2, max_new_tokens=2)
+    assert again.cache_misses == 0 and again.token_ids == r.token_ids
+    # a builtin passage used as a document is never its own context
+    own = as_documents(BUILTIN_CONTEXT[:1])[0]
+    picked = e.cache_variants["fusionrag"].context_of(e.doc_cache, None, own, e.prompts.encode_document(own),
+                                                      strat.variant_options)
+    assert own.id not in [p.id for p, _ in picked] and len(picked) == 2
