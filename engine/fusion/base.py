@@ -106,6 +106,7 @@ def topk_positions(scores: Tensor, positions: Tensor, k: int) -> Tensor:
 
 
 DRIFT_FROM = 0.25  # default first layer of the drift correction, as a share of the depth
+DOC_CONTEXTS = ("builtin", "similar", "random", "first")  # make_strategy's `doc_context` option
 
 
 class Strategy(ABC):
@@ -224,6 +225,12 @@ def make_strategy(name: str | Strategy, **options) -> Strategy:
     """A strategy instance by name or spec (`parse_spec`; options go to its constructor, keywords over the
     spec's), or the instance given.
 
+    `doc_context` (every strategy that reads caches but fusionrag, whose own options say it): "builtin",
+    "similar", "random" or "first" serves the strategy each document's cache computed with three other documents
+    before it instead of after the prefix alone (fusionrag's cache variant, engine/corpus.py): "builtin" a fixed
+    context of three passages shipped with kvfuse (no corpus needed), the others picked from the engine's corpus
+    (leak-free). The first document, right after the prefix, keeps its exact plain cache. Default: none.
+
     Two options every strategy takes (they act in the runner, not in selection): `drift` (in [0, 1]; 0 = off)
     and `drift_from` (in [0, 1), default 0.25): from layer round(drift_from x layers) on, each document row that is
     not recomputed gets `drift` x its document's mean drift added to its cached K and V, where the drift is the
@@ -240,7 +247,17 @@ def make_strategy(name: str | Strategy, **options) -> Strategy:
                             high=1.0)
     if drift_from == 1.0:
         raise ValueError(f"strategy {name!r}: drift_from must be below 1 (a share of the depth), got 1")
+    doc_context = options.pop("doc_context", None)
     strategy = _REGISTRY[name](**options)
+    if doc_context not in (None, "none"):
+        if doc_context not in DOC_CONTEXTS:
+            raise ValueError(f"strategy {name!r}: doc_context must be one of {DOC_CONTEXTS} or 'none', "
+                             f"got {doc_context!r}")
+        if getattr(strategy, "cache_variant", None) or not strategy.uses_cache:
+            raise ValueError(f"strategy {name!r} takes no doc_context (it reads no cache, or picks its own "
+                             f"variant: for fusionrag use pick=)")
+        strategy.cache_variant = "fusionrag"
+        strategy.variant_options = {"top_k": 3, "context": "cached", "neighbours": "leak-free", "pick": doc_context}
     if drift > 0.0:
         strategy.drift, strategy.drift_from = drift, drift_from
     return strategy

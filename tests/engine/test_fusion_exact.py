@@ -54,7 +54,7 @@ def test_full_matches_transformers(family, tiny_engine):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("strategy", ["cacheblend", "epic"])
+@pytest.mark.parametrize("strategy", ["cacheblend", "epic", "infoflow:doc_context=builtin", "fusionrag:pick=builtin"])
 def test_ratio_one_equals_full(family, strategy, tiny_engine):
     engine = tiny_engine(family)
     engine.precompute(DOCS)

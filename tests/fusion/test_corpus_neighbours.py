@@ -215,3 +215,32 @@ def test_the_builtin_context_needs_no_corpus_and_is_the_document_prefilled_after
     picked = e.cache_variants["fusionrag"].context_of(e.doc_cache, None, own, e.prompts.encode_document(own),
                                                       strat.variant_options)
     assert own.id not in [p.id for p, _ in picked] and len(picked) == 2
+
+
+def test_any_strategy_takes_contextualised_caches_with_doc_context(fusion_engine):
+    e = fusion_engine("qwen2")  # no corpus: the builtin context needs none
+    strat = make_strategy("infoflow:doc_context=builtin")
+    assert strat.cache_variant == "fusionrag" and strat.variant_options["pick"] == "builtin"
+    docs = as_documents(DOCS)
+    layout, segs, _ = e._prepare(QUESTION, docs, strat)
+    by_start = {s.start: s for s in segs}
+    plains = [kv for _, kv in e.doc_cache.kvs(docs)[0]]
+    first = by_start[layout.docs[0].start]
+    assert first.exact
+    torch.testing.assert_close(first.kv.k, plains[0].k, rtol=0, atol=0)
+    ref = make_strategy("fusionrag", pick="builtin")  # the same variant fusionrag's builtin pick serves
+    for sp, d, p in zip(layout.docs[1:], docs[1:], plains[1:]):
+        v = e.cache_variants["fusionrag"](e, ref, d, e.prompts.encode_document(d))[0]
+        torch.testing.assert_close(by_start[sp.start].kv.k, v.k, rtol=0, atol=0)
+        assert (v.k - p.k).abs().max() > 1e-3
+    plain = make_strategy("infoflow")
+    assert not getattr(plain, "cache_variant", None)
+    assert by_start[layout.docs[1].start].kv is not None
+    r = e.generate(QUESTION, DOCS, strategy=strat, recompute_ratio=0.2, max_new_tokens=2)
+    assert r.text is not None
+    with pytest.raises(ValueError, match="doc_context"):
+        make_strategy("infoflow:doc_context=nearby")
+    with pytest.raises(ValueError, match="doc_context"):
+        make_strategy("full:doc_context=builtin")
+    with pytest.raises(ValueError, match="doc_context"):
+        make_strategy("fusionrag:doc_context=builtin")
