@@ -222,6 +222,7 @@ class FusionEngine:
             t0 = time.perf_counter()
             doc_ids = self._encode_documents(docs)
             self._check_documents_fit(docs, doc_ids)  # all of them, before any is computed
+            self.doc_cache.pool.add(docs)
             before = self.store.snapshot()
             tokens = 0
             bar = _progress(len(docs), show_progress, "kvfuse precompute")
@@ -824,6 +825,8 @@ class FusionEngine:
         document i's cache (a body found without the suffix it was cached with)."""
         t0 = time.perf_counter()
         self._check_fits(layout, docs, reserve)
+        if strat.uses_cache:
+            self.doc_cache.pool.add(docs)  # the pool `pick="pool"` draws context from (frozen once full)
         if hasattr(strat, "use_model_profile"):  # e.g. qcfuse's critical layers, found offline per model
             strat.use_model_profile(load_profile(self))
         miss_tokens, kvs = 0, [None] * len(docs)

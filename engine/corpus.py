@@ -32,10 +32,11 @@ from .store.keys import content_key
 from .threads import process_threads
 from .types import Document, as_documents
 
-__all__ = ["Corpus", "minilm_embedder", "FusionRagVariant", "default_cache_variants", "variant_key"]
+__all__ = ["Corpus", "DocumentPool", "minilm_embedder", "FusionRagVariant", "default_cache_variants", "variant_key"]
 
 VARIANT_VERSION = 1
-PICKS = ("similar", "random", "first", "builtin")
+PICKS = ("similar", "random", "first", "builtin", "pool")
+POOL_CAPACITY = 64  # documents the engine keeps as the pool context is drawn from
 
 # pick="builtin": a fixed context of three short encyclopedic passages (written for kvfuse; neutral topics), so a
 # document's cache can be computed with other documents before it without any corpus or embedder.
@@ -91,6 +92,54 @@ def minilm_embedder(batch_size: int = 64) -> Callable[[list[str]], Tensor]:
 
 def _text_key(text: str) -> str:
     return hashlib.sha1(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def _draw(key: str, other: str) -> float:
+    """A stable pseudo-random score of the pair (rendezvous hashing): ordering candidates by it gives each
+    document its own random order, independent of the order they were registered in."""
+    return float(int(hashlib.sha1(f"{key}|{other}".encode()).hexdigest()[:12], 16))
+
+
+class DocumentPool:
+    """The documents the engine has seen, as the context `pick="pool"` draws from (no corpus, no embedder).
+
+    The first `capacity` distinct documents (by text) the engine is given (requests and precompute) are kept; then
+    the pool is frozen, so a document's context, and with it its cache variant, stays the same from then on. A
+    document's context is the `top_k` members first in its own hash order (`_draw`), never itself; while the pool
+    fills, it takes fewer (k = min(top_k, others // 4), as for a corpus), so early variants are replaced once.
+    Members are the user's own documents: the same domain as the documents they precede, which the dev sets showed
+    to matter (a fixed out-of-domain context helped less: docs/quality/doc_context.md)."""
+
+    def __init__(self, capacity: int = POOL_CAPACITY) -> None:
+        self.capacity = int(capacity)
+        self._docs: dict[str, Document] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._docs)
+
+    @property
+    def full(self) -> bool:
+        return len(self._docs) >= self.capacity
+
+    def add(self, docs: Iterable[Document]) -> None:
+        """Keeps documents (given as Documents with text) until the pool is full."""
+        if self.full:
+            return
+        with self._lock:
+            for d in docs:
+                if len(self._docs) >= self.capacity:
+                    break
+                if d.text:
+                    self._docs.setdefault(_text_key(d.text), Document(d.id, d.text))
+
+    def context(self, doc: Document, top_k: int) -> list[Document]:
+        key = _text_key(doc.text)
+        with self._lock:
+            others = [(k, d) for k, d in self._docs.items() if k != key]
+        k = min(top_k, max(1, len(others) // 4)) if others else 0
+        others.sort(key=lambda kd: _draw(key, kd[0]), reverse=True)
+        return [d for _, d in others[:max(k, 0)]]
 
 
 class Corpus:
@@ -156,7 +205,7 @@ class Corpus:
         from what its similarity adds): "random", eligible documents in an order drawn from a hash of the two
         texts (stable across runs and corpus order); "first", the earliest registered eligible documents."""
         doc = as_documents([doc])[0]
-        if pick not in PICKS or pick == "builtin":
+        if pick not in PICKS[:3]:
             raise ValueError(f"pick must be one of {PICKS[:3]}, got {pick!r}")
         if top_k <= 0 or not self._keys:
             return []
@@ -170,8 +219,7 @@ class Corpus:
         if pick == "similar":
             score = self._emb @ self.embedding(doc)
         elif pick == "random":
-            score = torch.tensor([float(int(hashlib.sha1(f"{key}|{c}".encode()).hexdigest()[:12], 16))
-                                  for c in self._keys], dtype=torch.float64)
+            score = torch.tensor([_draw(key, c) for c in self._keys], dtype=torch.float64)
         else:
             score = -torch.arange(len(self._keys), dtype=torch.float64)
         score = score.masked_fill(~eligible, float("-inf"))
@@ -210,10 +258,10 @@ class FusionRagVariant:
         cache = getattr(cache, "doc_cache", cache)
         corpus = getattr(cache, "corpus", None)
         opts = dict(getattr(strategy, "variant_options", {}))
-        if corpus is None and opts.get("pick") != "builtin":
+        if corpus is None and opts.get("pick") not in ("builtin", "pool"):
             raise ValueError("strategy 'fusionrag' needs a corpus to find each document's neighbours: set "
                              "engine.corpus = Corpus().add(documents) (kvfuse.engine.corpus), or use "
-                             "pick='builtin' (a fixed context, no corpus)")
+                             "pick='pool' (documents the engine has seen, no corpus needed)")
         mode = opts.get("context", "cached")  # fusionrag's default
         picked = self.context_of(cache, corpus, doc, ids, opts)
         prefix = cache.prompts.prefix_ids
@@ -248,6 +296,8 @@ class FusionRagVariant:
         if pick == "builtin":  # the fixed context, whatever the corpus; never the document itself
             key = _text_key(doc.text)
             found = [n for n in as_documents(BUILTIN_CONTEXT) if _text_key(n.text) != key][:max(top_k, 0)]
+        elif pick == "pool":  # documents the engine has seen (the DocumentCache's pool)
+            found = cache.pool.context(doc, top_k)
         else:
             found = corpus.neighbours(doc, top_k, co_retrieved, pick)
         for n in found:

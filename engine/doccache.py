@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from .config import EngineConfig
-from .corpus import default_cache_variants
+from .corpus import DocumentPool, default_cache_variants
 from .fusion.base import Strategy
 from .fusion.reuse import Reuse
 from .profile import default_doc_profilers
@@ -69,6 +69,7 @@ class DocumentCache:
         doc_profilers: extras name -> hook (see the module doc); default: qcfuse's "anchors".
         cache_variants: variant name -> hook (see the module doc); default: "fusionrag".
         corpus: the Corpus neighbour-based variants search (None until set).
+        pool: the DocumentPool of documents seen (requests and precompute), what `pick="pool"` draws context from.
         prefix_key: content key of the prompt prefix (also scopes the store's id rows).
     """
 
@@ -91,6 +92,7 @@ class DocumentCache:
         self.doc_profilers = default_doc_profilers()
         self.cache_variants = default_cache_variants()
         self.corpus = None
+        self.pool = DocumentPool()
 
     # -- computing ---------------------------------------------------------------------------------------------
     def prefix_kv(self) -> DocKV:

@@ -106,7 +106,7 @@ def topk_positions(scores: Tensor, positions: Tensor, k: int) -> Tensor:
 
 
 DRIFT_FROM = 0.25  # default first layer of the drift correction, as a share of the depth
-DOC_CONTEXTS = ("builtin", "similar", "random", "first")  # make_strategy's `doc_context` option
+DOC_CONTEXTS = ("pool", "builtin", "similar", "random", "first")  # make_strategy's `doc_context` option
 
 
 class Strategy(ABC):
@@ -225,11 +225,11 @@ def make_strategy(name: str | Strategy, **options) -> Strategy:
     """A strategy instance by name or spec (`parse_spec`; options go to its constructor, keywords over the
     spec's), or the instance given.
 
-    `doc_context` (every strategy that reads caches but fusionrag, whose own options say it): "builtin",
+    `doc_context` (every strategy that reads caches but fusionrag, whose own options say it): "pool", "builtin",
     "similar", "random" or "first" serves the strategy each document's cache computed with three other documents
-    before it instead of after the prefix alone (fusionrag's cache variant, engine/corpus.py): "builtin" a fixed
-    context of three passages shipped with kvfuse (no corpus needed), the others picked from the engine's corpus
-    (leak-free). The first document, right after the prefix, keeps its exact plain cache. Default: none.
+    before it instead of after the prefix alone (fusionrag's cache variant, engine/corpus.py): "pool" documents the
+    engine has seen (no corpus needed), "builtin" a fixed context of three passages shipped with kvfuse, the others
+    picked from the engine's corpus (leak-free). The first document, right after the prefix, keeps its exact plain cache. Default: none.
 
     Two options every strategy takes (they act in the runner, not in selection): `drift` (in [0, 1]; 0 = off)
     and `drift_from` (in [0, 1), default 0.25): from layer round(drift_from x layers) on, each document row that is

@@ -25,7 +25,7 @@ from .prophetkv import ProphetKV
 
 CONTEXT_MODES = ("full", "cached")
 NEIGHBOUR_RULES = ("leak-free", "co-retrieved")
-PICKS = ("similar", "random", "first", "builtin")
+PICKS = ("similar", "random", "first", "builtin", "pool")
 
 
 @register
@@ -51,7 +51,8 @@ class FusionRAG(ProphetKV):
             pick: "similar" (default: the most similar eligible documents); "random" or "first" (the earliest
                 registered) eligible documents: controls that measure what any cross-document context adds
                 beside what a similar one adds; "builtin": a fixed context of three short passages shipped with
-                kvfuse (engine/corpus.py), no corpus needed.
+                kvfuse (engine/corpus.py), no corpus needed; "pool": documents the engine has seen (the first 64
+                distinct ones, engine/corpus.py DocumentPool), no corpus needed.
             layers / n_probe / lo / hi: the probe layers, as for `prophetkv`.
         """
         if top_k < 0:

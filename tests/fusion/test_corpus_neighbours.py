@@ -244,3 +244,49 @@ def test_any_strategy_takes_contextualised_caches_with_doc_context(fusion_engine
         make_strategy("full:doc_context=builtin")
     with pytest.raises(ValueError, match="doc_context"):
         make_strategy("fusionrag:doc_context=builtin")
+
+
+def test_the_pool_keeps_the_first_documents_and_draws_a_stable_context_per_document():
+    from kvfuse.engine.corpus import DocumentPool
+    docs = as_documents(POOL + [(f"x{i}", f"filler text number {i}") for i in range(30)])
+    pool = DocumentPool(capacity=20)
+    pool.add(docs[:5])
+    few = pool.context(docs[0], 3)
+    assert len(few) == 1 and few[0].id != "a1"  # k = min(3, 4 // 4): fewer while the pool is small
+    pool.add(docs[5:])
+    assert len(pool) == 20 and pool.full
+    ctx = pool.context(docs[0], 3)
+    assert len(ctx) == 3 and "a1" not in _ids(ctx)
+    assert set(_ids(ctx)) <= {d.id for d in docs[:20]}  # frozen: members are the first 20
+    other = DocumentPool(capacity=20)
+    other.add(list(reversed(docs[:20])))
+    assert _ids(other.context(docs[0], 3)) == _ids(ctx)  # the same members give the same context, any order
+    pool.add(as_documents([("late", "a document seen after the pool filled")]))
+    assert len(pool) == 20 and _ids(pool.context(docs[0], 3)) == _ids(ctx)
+    assert _ids(pool.context(docs[3], 3)) != _ids(ctx)  # each document draws its own
+    outsider = as_documents([("new", "a document that is not a member")])[0]
+    assert len(pool.context(outsider, 3)) == 3
+
+
+def test_the_pool_context_serves_any_strategy_without_a_corpus(fusion_engine):
+    e = fusion_engine("qwen2")  # no corpus
+    e.doc_cache.pool.capacity = len(DOCS) + len(CORPUS_EXTRA)
+    e.precompute(DOCS + CORPUS_EXTRA)  # fills the pool
+    assert e.doc_cache.pool.full
+    strat = make_strategy("infoflow:doc_context=pool")
+    docs = as_documents(DOCS)
+    r = e.generate(QUESTION, DOCS, strategy=strat, recompute_ratio=0.2, max_new_tokens=2)
+    assert r.cache_misses >= len(DOCS) - 1  # the variants: all but the exact first document
+    layout, segs, _ = e._prepare(QUESTION, docs, strat)
+    by_start = {s.start: s for s in segs}
+    plains = [kv for _, kv in e.doc_cache.kvs(docs)[0]]
+    for sp, d, p in zip(layout.docs[1:], docs[1:], plains[1:]):
+        ctx = e.doc_cache.pool.context(d, 3)
+        assert ctx and d.id not in _ids(ctx)
+        # by hand: the document computed after its pool context's plain caches (least drawn first)
+        pairs, _ = e.doc_cache.kvs(list(reversed(ctx)))
+        want = e.doc_cache.compute(e.prompts.encode_document(d), pairs)
+        torch.testing.assert_close(by_start[sp.start].kv.k, want.k, rtol=0, atol=1e-5)
+        assert (want.k - p.k).abs().max() > 1e-3
+    again = e.generate(QUESTION, DOCS, strategy=strat, recompute_ratio=0.2, max_new_tokens=2)
+    assert again.cache_misses == 0 and again.token_ids == r.token_ids
