@@ -263,7 +263,7 @@ def run_eval(args: argparse.Namespace, engine_factory: Any = None) -> int:
     """
     from .data import load_examples
     from .report import write_report
-    from .runner import (EvalRunner, _offline_strategies, attach_corpus, build_configs, load_engine,
+    from .runner import (EvalRunner, _offline_strategies, attach_corpus, attach_pool, build_configs, load_engine,
                          record_key)
 
     opt = _resolve(args)
@@ -278,8 +278,12 @@ def run_eval(args: argparse.Namespace, engine_factory: Any = None) -> int:
         def engine_factory() -> Any:
             engine = load_engine(opt["model"], device=opt["device"], dtype=opt["dtype"], prompt=opt["prompt"],
                                  adapter=adapter, links=links)
-            if any(_variant_strategy(name) for name in _offline_strategies(configs)):
+            picks = {_variant_pick(name) for name in _offline_strategies(configs)} - {None}
+            if picks & {"similar", "random", "first"}:
                 attach_corpus(engine, examples)  # fusionrag: neighbours from the selected examples' passages
+            if "pool" in picks:  # the pool: passages of examples outside the selection (see attach_pool)
+                attach_pool(engine, load_examples(opt["data"], datasets=opt["datasets"], seed=opt["seed"],
+                                                  skip=opt["skip"] + (opt["limit"] or 0)), exclude=examples)
             return engine
 
     out: Path = opt["out"] or Path(tempfile.mkdtemp(prefix="kvfuse-eval-smoke-"))
@@ -354,10 +358,14 @@ def run_eval(args: argparse.Namespace, engine_factory: Any = None) -> int:
     return 0
 
 
-def _variant_strategy(name: str) -> bool:
+def _variant_pick(name: str) -> str | None:
+    """Where a strategy's cache variant takes its context from (its `pick`), or None without a variant."""
     from kvfuse.engine.fusion import make_strategy
 
-    return bool(getattr(make_strategy(name), "cache_variant", None))
+    strat = make_strategy(name)
+    if not getattr(strat, "cache_variant", None):
+        return None
+    return strat.variant_options.get("pick", "similar")
 
 
 def smoke_checks(out: Path, examples: list, configs: list, records: list[dict], rows: list, stats: Any) -> list[str]:

@@ -291,6 +291,30 @@ def load_engine(model: str, device: str | None = None, dtype: str | None = None,
     return FusionEngine.from_pretrained(model, **kwargs)
 
 
+def attach_pool(engine: Any, examples: Sequence[Example], exclude: Sequence[Example] = ()) -> Any:
+    """Fills `engine`'s document pool (the context `pick="pool"` draws from; engine/corpus.py DocumentPool) with
+    passages of `examples`, the same datasets' examples outside the evaluated selection, taken from each dataset in
+    turn, so the pool is full (frozen) before any evaluated request: what a deployment has (its own other
+    documents); no passage of an `exclude` example (the evaluated ones) goes in, even one shared with another
+    question."""
+    from kvfuse.engine.types import as_documents
+
+    pool = engine.doc_cache.pool
+    banned = {text for ex in exclude for _, text in ex.docs}
+    by_set: dict[str, list] = {}
+    for ex in examples:
+        by_set.setdefault(ex.dataset, []).extend(d for d in ex.docs if d[1] not in banned)
+    queues = [iter(as_documents(docs)) for docs in by_set.values()]
+    while queues and not pool.full:
+        for q in list(queues):
+            d = next(q, None)
+            if d is None:
+                queues.remove(q)
+            else:
+                pool.add([d])
+    return engine
+
+
 def attach_corpus(engine: Any, examples: Sequence[Example], embed: Callable | None = None) -> Any:
     """Gives `engine` the corpus that neighbour-based cache variants (fusionrag) search: every passage of
     `examples`, each example's passages registered as one group (retrieved together), so no passage is ever

@@ -266,3 +266,29 @@ def test_a_guarded_run_is_recorded_with_where_it_escalated(tmp_path, examples, t
         low, plain = recs[(ex.id, "cacheblend+guard1e-09")], recs[(ex.id, "cacheblend")]
         assert low["guard_escalated_at"] is None and low["token_ids"] == plain["token_ids"]
         assert plain["recompute_fraction"] < 1.0 and "guard_margin" not in plain
+
+
+def test_attach_pool_fills_it_from_other_examples_never_the_evaluated_ones(examples):
+    from types import SimpleNamespace
+
+    from kvfuse.engine.corpus import DocumentPool
+    from kvfuse.evaluation.runner import attach_pool
+
+    import dataclasses
+
+    evaluated = examples[:1]
+    shared = examples[0].passages[0]  # a passage of an evaluated question, retrieved for another one too
+    others = [dataclasses.replace(examples[1], dataset="a", passages=(shared,) + examples[1].passages),
+              dataclasses.replace(examples[2], dataset="b")]
+    texts = {text for e in others for _, text in e.docs} - {text for e in evaluated for _, text in e.docs}
+    eng = SimpleNamespace(doc_cache=SimpleNamespace(pool=DocumentPool(capacity=6)))
+    attach_pool(eng, others, exclude=evaluated)
+    pool = eng.doc_cache.pool
+    members = [d for d in pool._docs.values()]
+    assert len(members) == min(6, len(texts)) and pool.full == (len(texts) >= 6)
+    assert {d.text for d in members} <= texts  # only other examples' passages, none shared with the evaluated
+    sets = {e.dataset for e in others for _, text in e.docs if text in {d.text for d in members}}
+    assert len(sets) >= 2  # taken from each dataset in turn
+    big = SimpleNamespace(doc_cache=SimpleNamespace(pool=DocumentPool(capacity=10_000)))
+    attach_pool(big, examples, exclude=examples)
+    assert len(big.doc_cache.pool) == 0  # everything evaluated: nothing to put in
