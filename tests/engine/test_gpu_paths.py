@@ -25,7 +25,8 @@ def _engine(family: str, **config) -> FusionEngine:
 
 
 @pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3"])
-@pytest.mark.parametrize("strategy,ratio", [("full", 1.0), ("reuse", 0.0), ("cacheblend", 0.3), ("infoflow", 0.3)])
+@pytest.mark.parametrize("strategy,ratio", [("full", 1.0), ("reuse", 0.0), ("cacheblend", 0.3), ("infoflow", 0.3),
+                                            ("infoflow:doc_context=pool", 0.3)])
 def test_graphs_and_tiers_match_eager(family, strategy, ratio):
     eager = _engine(family, kv_tier="pool", cuda_graphs=False)
     graphs = _engine(family, kv_tier="pool", cuda_graphs=True)
@@ -47,7 +48,8 @@ def test_graphs_and_tiers_match_eager(family, strategy, ratio):
     assert a.token_ids == b.token_ids
 
 
-@pytest.mark.parametrize("strategy", ["full", "reuse", "epic", "cacheblend", "infoflow", "prophetkv", "qcfuse"])
+@pytest.mark.parametrize("strategy", ["full", "reuse", "epic", "cacheblend", "infoflow", "prophetkv", "qcfuse",
+                                      "infoflow:doc_context=pool"])
 def test_bucket_graphs_serve_new_layouts_like_eager(strategy):
     """Never-seen layouts (documents reordered, dropped; questions a few words longer) that share a shape bucket
     replay one graph and give the tokens of the same padded prefill run eagerly; a fused bucket's graph keeps no
