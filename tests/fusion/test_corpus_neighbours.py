@@ -99,6 +99,17 @@ def _engine(fusion_engine, **config):
     return e
 
 
+def _prefilled_after(e, nbrs, d):
+    """By hand: prefix + neighbours (least similar first) + the document, all computed; the document's rows and
+    the tokens computed."""
+    prefix, ids = e.prompts.prefix_ids, e.prompts.encode_document(d)
+    ctx = [t for nb in reversed(nbrs) for t in e.prompts.encode_document(nb)]
+    full = torch.tensor(prefix + ctx + ids)
+    ref = e.runner.prefill(full, [Segment(0, full.numel(), None)], make_strategy("reuse"), 0.0,
+                           capture=(len(prefix) + len(ctx), full.numel()), want_logits=False).captured
+    return ref, len(ctx) + len(ids)
+
+
 def test_variant_is_the_document_prefilled_after_its_neighbours(fusion_engine):
     e = _engine(fusion_engine)
     strat = make_strategy("fusionrag", context="full")
@@ -106,14 +117,8 @@ def test_variant_is_the_document_prefilled_after_its_neighbours(fusion_engine):
     nbrs = e.corpus.neighbours(d, strat.top_k)
     assert nbrs and d.id not in _ids(nbrs)
     kv, n = e.cache_variants["fusionrag"](e, strat, d, e.prompts.encode_document(d))
-    # by hand: prefix + neighbours (least similar first) + the document, all computed; keep the document's rows
-    prefix, ids = e.prompts.prefix_ids, e.prompts.encode_document(d)
-    ctx = [t for nb in reversed(nbrs) for t in e.prompts.encode_document(nb)]
-    full = torch.tensor(prefix + ctx + ids)
-    s = len(prefix) + len(ctx)
-    ref = e.runner.prefill(full, [Segment(0, full.numel(), None)], make_strategy("reuse"), 0.0,
-                           capture=(s, full.numel()), want_logits=False).captured
-    assert n == len(ctx) + len(ids)
+    ref, tokens = _prefilled_after(e, nbrs, d)
+    assert n == tokens
     torch.testing.assert_close(kv.k, ref.k, rtol=0, atol=1e-5)
     torch.testing.assert_close(kv.v, ref.v, rtol=0, atol=1e-5)
     plain = e.doc_cache.kvs([d])[0][0][1]
@@ -196,14 +201,8 @@ def test_the_builtin_context_needs_no_corpus_and_is_the_document_prefilled_after
     d = as_documents(DOCS)[2]
     ids = e.prompts.encode_document(d)
     kv, n = e.cache_variants["fusionrag"](e, strat, d, ids)
-    nbrs = as_documents(BUILTIN_CONTEXT[:2])
-    prefix = e.prompts.prefix_ids
-    ctx = [t for nb in reversed(nbrs) for t in e.prompts.encode_document(nb)]
-    full = torch.tensor(prefix + ctx + ids)
-    s = len(prefix) + len(ctx)
-    ref = e.runner.prefill(full, [Segment(0, full.numel(), None)], make_strategy("reuse"), 0.0,
-                           capture=(s, full.numel()), want_logits=False).captured
-    assert n == len(ctx) + len(ids)
+    ref, tokens = _prefilled_after(e, as_documents(BUILTIN_CONTEXT[:2]), d)
+    assert n == tokens
     torch.testing.assert_close(kv.k, ref.k, rtol=0, atol=1e-5)
     # served end to end without a corpus: the first document exact, the others contextualised
     r = e.generate(QUESTION, DOCS, strategy="fusionrag", pick="builtin", recompute_ratio=0.2, max_new_tokens=2)
