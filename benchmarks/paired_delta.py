@@ -28,10 +28,16 @@ def main() -> int:
     ap.add_argument("other")
     ap.add_argument("--boot", type=int, default=2000)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--runs", choices=("any", "adapter", "none"), default="any",
+                    help="which runs of a file holding both: with the fusion adapter ('+adapter' labels), without, "
+                         "or any (default; a strategy run both ways then keeps the one read last)")
     args = ap.parse_args()
     by = defaultdict(dict)  # (dataset, example) -> strategy -> record
     for line in open(args.records, encoding="utf-8"):
         r = json.loads(line)
+        tagged = r["strategy"].endswith("+adapter")
+        if (args.runs == "adapter" and not tagged and r["strategy"] != "full") or (args.runs == "none" and tagged):
+            continue
         by[(r["dataset"], r["example_id"])][r["strategy"].removesuffix("+adapter")] = r
     rows = defaultdict(list)
     for (ds, _), recs in by.items():
