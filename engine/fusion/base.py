@@ -229,7 +229,8 @@ def make_strategy(name: str | Strategy, **options) -> Strategy:
     "similar", "random" or "first" serves the strategy each document's cache computed with three other documents
     before it instead of after the prefix alone (fusionrag's cache variant, engine/corpus.py): "pool" documents the
     engine has seen (no corpus needed), "builtin" a fixed context of three passages shipped with kvfuse, the others
-    picked from the engine's corpus (leak-free). The first document, right after the prefix, keeps its exact plain cache. Default: none.
+    picked from the engine's corpus (leak-free). The first document, right after the prefix, keeps its exact plain
+    cache. Default: none (with the shipped fusion adapter it costs fidelity: docs/quality/doc_context.md).
 
     Two options every strategy takes (they act in the runner, not in selection): `drift` (in [0, 1]; 0 = off)
     and `drift_from` (in [0, 1), default 0.25): from layer round(drift_from x layers) on, each document row that is

@@ -281,7 +281,8 @@ def run_eval(args: argparse.Namespace, engine_factory: Any = None) -> int:
             picks = {_variant_pick(name) for name in _offline_strategies(configs)} - {None}
             if picks & {"similar", "random", "first"}:
                 attach_corpus(engine, examples)  # fusionrag: neighbours from the selected examples' passages
-            if "pool" in picks:  # the pool: passages of examples outside the selection (see attach_pool)
+            if "pool" in picks:  # the pool: passages of examples outside the selection (see attach_pool); with
+                # every example selected none are, and the pool fills from the evaluated requests themselves
                 attach_pool(engine, load_examples(opt["data"], datasets=opt["datasets"], seed=opt["seed"],
                                                   skip=opt["skip"] + (opt["limit"] or 0)), exclude=examples)
             return engine
