@@ -35,7 +35,8 @@ from .types import Document, as_documents
 __all__ = ["Corpus", "DocumentPool", "minilm_embedder", "FusionRagVariant", "default_cache_variants", "variant_key"]
 
 VARIANT_VERSION = 1
-PICKS = ("similar", "random", "first", "builtin", "pool")
+CORPUS_PICKS = ("similar", "random", "first")  # where a corpus set on the engine is searched
+PICKS = CORPUS_PICKS + ("builtin", "pool")  # every source of a document's context (fusionrag's `pick`)
 POOL_CAPACITY = 64  # documents the engine keeps as the pool context is drawn from
 
 # pick="builtin": a fixed context of three short encyclopedic passages (written for kvfuse; neutral topics), so a
@@ -113,6 +114,7 @@ class DocumentPool:
     def __init__(self, capacity: int = POOL_CAPACITY) -> None:
         self.capacity = int(capacity)
         self._docs: dict[str, Document] = {}
+        self._drawn: dict[tuple[str, int], tuple[Document, ...]] = {}  # (text key, top_k) -> context, once frozen
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -136,10 +138,17 @@ class DocumentPool:
     def context(self, doc: Document, top_k: int) -> list[Document]:
         key = _text_key(doc.text)
         with self._lock:
+            frozen = len(self._docs) >= self.capacity
+            if frozen and (key, top_k) in self._drawn:  # asked on every lookup: drawn once the pool is frozen
+                return list(self._drawn[key, top_k])
             others = [(k, d) for k, d in self._docs.items() if k != key]
         k = min(top_k, max(1, len(others) // 4)) if others else 0
         others.sort(key=lambda kd: _draw(key, kd[0]), reverse=True)
-        return [d for _, d in others[:max(k, 0)]]
+        picked = [d for _, d in others[:max(k, 0)]]
+        if frozen:
+            with self._lock:
+                self._drawn[key, top_k] = tuple(picked)
+        return picked
 
 
 class Corpus:
@@ -205,8 +214,8 @@ class Corpus:
         from what its similarity adds): "random", eligible documents in an order drawn from a hash of the two
         texts (stable across runs and corpus order); "first", the earliest registered eligible documents."""
         doc = as_documents([doc])[0]
-        if pick not in PICKS[:3]:
-            raise ValueError(f"pick must be one of {PICKS[:3]}, got {pick!r}")
+        if pick not in CORPUS_PICKS:
+            raise ValueError(f"pick must be one of {CORPUS_PICKS}, got {pick!r}")
         if top_k <= 0 or not self._keys:
             return []
         key = _text_key(doc.text)
@@ -258,7 +267,7 @@ class FusionRagVariant:
         cache = getattr(cache, "doc_cache", cache)
         corpus = getattr(cache, "corpus", None)
         opts = dict(getattr(strategy, "variant_options", {}))
-        if corpus is None and opts.get("pick") not in ("builtin", "pool"):
+        if corpus is None and opts.get("pick", "similar") in CORPUS_PICKS:
             raise ValueError("strategy 'fusionrag' needs a corpus to find each document's neighbours: set "
                              "engine.corpus = Corpus().add(documents) (kvfuse.engine.corpus), or use "
                              "pick='pool' (documents the engine has seen, no corpus needed)")

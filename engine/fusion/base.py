@@ -106,7 +106,6 @@ def topk_positions(scores: Tensor, positions: Tensor, k: int) -> Tensor:
 
 
 DRIFT_FROM = 0.25  # default first layer of the drift correction, as a share of the depth
-DOC_CONTEXTS = ("pool", "builtin", "similar", "random", "first")  # make_strategy's `doc_context` option
 
 
 class Strategy(ABC):
@@ -251,14 +250,16 @@ def make_strategy(name: str | Strategy, **options) -> Strategy:
     doc_context = options.pop("doc_context", None)
     strategy = _REGISTRY[name](**options)
     if doc_context not in (None, "none"):
-        if doc_context not in DOC_CONTEXTS:
-            raise ValueError(f"strategy {name!r}: doc_context must be one of {DOC_CONTEXTS} or 'none', "
+        from ..corpus import PICKS
+
+        if doc_context not in PICKS:
+            raise ValueError(f"strategy {name!r}: doc_context must be one of {PICKS} or 'none', "
                              f"got {doc_context!r}")
         if getattr(strategy, "cache_variant", None) or not strategy.uses_cache:
             raise ValueError(f"strategy {name!r} takes no doc_context (it reads no cache, or picks its own "
                              f"variant: for fusionrag use pick=)")
-        strategy.cache_variant = "fusionrag"
-        strategy.variant_options = {"top_k": 3, "context": "cached", "neighbours": "leak-free", "pick": doc_context}
+        source = make_strategy("fusionrag", pick=doc_context)  # its variant, with fusionrag's default options
+        strategy.cache_variant, strategy.variant_options = source.cache_variant, source.variant_options
     if drift > 0.0:
         strategy.drift, strategy.drift_from = drift, drift_from
     return strategy

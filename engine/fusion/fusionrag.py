@@ -20,12 +20,12 @@ candidates, then averaged), and the top `budget` tokens are recomputed.
 """
 from __future__ import annotations
 
+from ..corpus import PICKS
 from .base import register
 from .prophetkv import ProphetKV
 
 CONTEXT_MODES = ("full", "cached")
 NEIGHBOUR_RULES = ("leak-free", "co-retrieved")
-PICKS = ("similar", "random", "first", "builtin", "pool")
 
 
 @register

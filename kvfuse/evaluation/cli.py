@@ -278,8 +278,10 @@ def run_eval(args: argparse.Namespace, engine_factory: Any = None) -> int:
         def engine_factory() -> Any:
             engine = load_engine(opt["model"], device=opt["device"], dtype=opt["dtype"], prompt=opt["prompt"],
                                  adapter=adapter, links=links)
+            from kvfuse.engine.corpus import CORPUS_PICKS
+
             picks = {_variant_pick(name) for name in _offline_strategies(configs)} - {None}
-            if picks & {"similar", "random", "first"}:
+            if picks & set(CORPUS_PICKS):
                 attach_corpus(engine, examples)  # fusionrag: neighbours from the selected examples' passages
             if "pool" in picks:  # the pool: passages of examples outside the selection (see attach_pool); with
                 # every example selected none are, and the pool fills from the evaluated requests themselves
