@@ -202,11 +202,14 @@ def ceilings(device: str) -> tuple[float, float]:
 
 
 def offline_data(name: str) -> bool:
-    """Whether a strategy reads per-document data computed offline besides the caches (sift's indexes, qcfuse's
-    anchors): the benchmark precomputes it, untimed, as a deployment would."""
+    """Whether a strategy reads per-document data computed offline besides the plain caches (sift's indexes,
+    qcfuse's anchors, a cache variant: fusionrag's or a `doc_context`'s): the benchmark precomputes it, untimed, as a
+    deployment would."""
     from kvfuse.engine.fusion import make_strategy
 
-    return spec_name(name) == "sift" or bool(getattr(make_strategy(name), "needs_extras", ()))
+    strat = make_strategy(name)
+    return (spec_name(name) == "sift" or bool(getattr(strat, "needs_extras", ()))
+            or bool(getattr(strat, "cache_variant", None)))
 
 
 def spec_name(spec: str) -> str:

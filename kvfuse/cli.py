@@ -552,6 +552,7 @@ def cmd_train_adapter(args) -> int:
     check_real(args.max_seconds, "--max-seconds", low=0.0, high=1e7)
     check_real(args.first_token_weight, "--first-token-weight", low=1e-3, high=1e3)
     check_real(args.checkpoint_every, "--checkpoint-every", low=0.0, high=1e7)
+    check_int(args.context_docs, "--context-docs", minimum=1, maximum=16)
     ratios = tuple(_ratios(args.ratios, "--ratios"))
     from kvfuse.engine.fusion import available, make_strategy
 
@@ -566,7 +567,8 @@ def cmd_train_adapter(args) -> int:
                       max_doc_tokens=args.max_doc_tokens, stage=args.stage, batch=args.batch,
                       max_seconds=args.max_seconds, ratios=ratios, strategy=args.strategy,
                       checkpoint_seconds=args.checkpoint_every, eval_every=args.eval_every,
-                      eval_prompts=args.eval_prompts, first_token_weight=args.first_token_weight)
+                      eval_prompts=args.eval_prompts, first_token_weight=args.first_token_weight,
+                      doc_context=args.doc_context, context_docs=args.context_docs)
     _check_model_args(args)
     engine = load_engine(args.model, device=args.device, dtype=args.dtype, prompt=args.prompt, adapter=None)
     print(f"kvfuse: training a fusion adapter for {engine.model_name} on {len(train)} examples "
@@ -864,6 +866,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--first-token-weight", type=float, default=1.0, dest="first_token_weight", metavar="W",
                    help="weigh the answer's first position W times the others in the loss (most fused answers that "
                         "differ from full prefill's differ there first; default 1: the plain mean)")
+    p.add_argument("--doc-context", default="none", choices=["none", "random"], dest="doc_context",
+                   help="'random': the student's documents are computed after --context-docs passages of other "
+                        "training examples, as a strategy's doc_context option serves them (train for "
+                        "`infoflow:doc_context=pool`); 'none' (default): alone, as plain caches")
+    p.add_argument("--context-docs", type=int, default=3, dest="context_docs",
+                   help="passages before each document with --doc-context random (default 3, fusionrag's top_k)")
     p.add_argument("--resume", action="store_true",
                    help="continue the run whose checkpoint is beside --out (same settings; a longer --max-seconds "
                         "or --steps lets it go on)")

@@ -144,17 +144,64 @@ def student_logprobs(engine, layout, answer: Sequence[int], adapter: FusionAdapt
     return torch.log_softmax(dec.logits(h[first:]).float(), dim=-1)
 
 
-def document_kv(engine, layout, adapter: FusionAdapter | None) -> list[tuple[list[Tensor], list[Tensor]]]:
+def document_kv(engine, layout, adapter: FusionAdapter | None,
+                contexts: Sequence[Sequence[Sequence[int]]] | None = None
+                ) -> list[tuple[list[Tensor], list[Tensor]]]:
     """Each document's per-layer pre-RoPE (K, V), computed alone after the prefix's cache (the offline pass; an
     online adapter does not act here): the engine's own documents pass (engine/docpass.py), all in one pass,
-    differentiable in an offline adapter."""
+    differentiable in an offline adapter.
+
+    `contexts` (one entry per document: token ids of the documents before it, nearest last): each document is
+    computed after the prefix and those documents' own plain caches, as the engine serves a `doc_context` (the
+    fusionrag cache variant, cached mode: engine/corpus.py `FusionRagVariant`). The context caches are computed
+    with the same decoder, without gradient (the engine computes them once and reuses them); the document's rows
+    are differentiable. An empty entry: that document alone."""
     offline = adapter is not None and adapter.stage == "offline"
     dec = AdaptedDecoder(engine.decoder, adapter) if offline else engine.decoder
     if not layout.doc_ids:
         return []
-    kvs = documents_pass(dec, engine.runner.rope, engine.doc_cache.prefix_kv(), layout.doc_ids,
-                         max_tokens=sum(len(x) for x in layout.doc_ids))
-    return [(list(kv.k.unbind(0)), list(kv.v.unbind(0))) for kv in kvs]
+    prefix, rope = engine.doc_cache.prefix_kv(), engine.runner.rope
+    if not contexts or not any(contexts):
+        kvs = documents_pass(dec, rope, prefix, layout.doc_ids, max_tokens=sum(len(x) for x in layout.doc_ids))
+        return [(list(kv.k.unbind(0)), list(kv.v.unbind(0))) for kv in kvs]
+    if len(contexts) != len(layout.doc_ids):
+        raise ValueError(f"{len(contexts)} contexts for {len(layout.doc_ids)} documents")
+    distinct = list({tuple(c): None for ctx in contexts for c in ctx})
+    with torch.no_grad():  # every context document's plain cache, once
+        plain = dict(zip(distinct, documents_pass(dec, rope, prefix, [list(c) for c in distinct],
+                                                   max_tokens=sum(len(c) for c in distinct)), strict=True))
+    out = []
+    for ids, ctx in zip(layout.doc_ids, contexts, strict=True):
+        before = DocKV(torch.cat([prefix.k.to(dec.device)] + [plain[tuple(c)].k for c in ctx], dim=1),
+                       torch.cat([prefix.v.to(dec.device)] + [plain[tuple(c)].v for c in ctx], dim=1))
+        kv = documents_pass(dec, rope, before, [ids], max_tokens=len(ids))[0]
+        out.append((list(kv.k.unbind(0)), list(kv.v.unbind(0))))
+    return out
+
+
+def context_stream(examples, seed: int, top_k: int):
+    """`draw(n, example, docs, encode)`: for prompt number n of `example`, each document's context: `top_k`
+    passages (their bodies' token ids, `encode(text)`) of other examples, drawn at random, a fresh draw per prompt and document, and
+    the same for the same n (so a resumed run draws what an uninterrupted one would). What a served
+    `doc_context=pool` or `random` gives a document: a few in-domain documents unrelated to its question."""
+    passages = list({(ex.id, text): None for ex in examples for _, _, text in ex.passages})
+    if len({t for _, t in passages}) <= top_k:
+        raise ValueError(f"document context needs more than {top_k} distinct training passages")
+
+    def draw(n: int, example, docs, encode) -> list[list[list[int]]]:
+        rng = random.Random(f"{seed}:context:{n}")
+        own = {d.text for d in docs}
+        out = []
+        for _ in docs:
+            picked: list = []
+            while len(picked) < top_k and len(passages) > top_k:
+                ex_id, text = passages[rng.randrange(len(passages))]
+                if ex_id != example.id and text not in own and text not in picked:
+                    picked.append(text)
+            out.append([encode(text) for text in picked])
+        return out
+
+    return draw
 
 
 def strategy_selection(engine, layout, doc_kv, strategy: str, ratio: float, runner=None,
@@ -224,6 +271,10 @@ class TrainConfig(PromptsConfig):
             is the one of the lowest held-out KL.
         first_token_weight: the loss weighs the answer's first position this many times the others
             (`distill_loss`; the held-out KL too); 1 is the plain mean.
+        doc_context / context_docs: "none" (default): each student document is computed alone after the prefix, as
+            plain caches are served; "random": after `context_docs` passages of other training examples drawn at
+            random per prompt (`context_stream`), as caches served with a strategy's `doc_context` option are
+            (engine/fusion/base.py: `infoflow:doc_context=pool`). An adapter trained so is meant to be served so.
     """
 
     rank: int = 8
@@ -235,8 +286,14 @@ class TrainConfig(PromptsConfig):
     checkpoint_seconds: float = 0.0
     eval_prompts: int = 16
     first_token_weight: float = 1.0
+    doc_context: str = "none"
+    context_docs: int = 3
 
     def __post_init__(self) -> None:
+        if self.doc_context not in DOC_CONTEXTS:
+            raise ValueError(f"doc_context must be one of {DOC_CONTEXTS}, got {self.doc_context!r}")
+        if isinstance(self.context_docs, bool) or not isinstance(self.context_docs, int) or self.context_docs < 1:
+            raise ValueError(f"context_docs must be an int >= 1, got {self.context_docs!r}")
         w = self.first_token_weight
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not (math.isfinite(w) and w > 0):
             raise ValueError(f"first_token_weight must be a finite number > 0, got {w!r}")
@@ -246,6 +303,9 @@ class TrainConfig(PromptsConfig):
         skip = {"steps", "max_seconds", "checkpoint_seconds", "eval_every", "eval_prompts"}
         a, b = asdict(self), asdict(other)
         return [k for k in a if k not in skip and _norm(a[k]) != _norm(b[k])]
+
+
+DOC_CONTEXTS = ("none", "random")
 
 
 def distill_loss(teacher: Tensor, student: Tensor, first_token_weight: float = 1.0) -> Tensor:
@@ -408,11 +468,20 @@ def train_adapter(engine, examples, cfg: TrainConfig, out: str | Path, *, log: C
     def teacher_for(ex, docs):
         return full_teacher(engine, ex.question, docs, cfg.answer_tokens)
 
-    def student_kl(ex, docs, answer, teacher, ratio):
-        """(KL(teacher || student) per answer token, the prompt's layout) at `ratio`; differentiable in the
-        adapter (documents are computed with it when it is offline, an online one leaves them alone)."""
+    from ..engine.types import Document
+
+    contexts_for = (context_stream(examples, cfg.seed, cfg.context_docs) if cfg.doc_context != "none" else None)
+
+    def encode(text: str) -> list[int]:
+        return engine.prompts.encode_document(Document("ctx", text))
+
+    def student_kl(ex, docs, answer, teacher, ratio, n):
+        """(KL(teacher || student) per answer token, the prompt's layout) at `ratio` for prompt number `n`;
+        differentiable in the adapter (documents are computed with it when it is offline, an online one leaves them
+        alone)."""
         layout = engine.layout(ex.question, docs)
-        doc_kv = document_kv(engine, layout, adapter)
+        contexts = contexts_for(n, ex, docs, encode) if contexts_for else None
+        doc_kv = document_kv(engine, layout, adapter, contexts)
         recompute = strategy_selection(engine, layout, doc_kv, cfg.strategy, ratio, selector, exact_first=online)
         student = student_logprobs(engine, layout, answer + [0], adapter, recompute, doc_kv)
         return distill_loss(teacher, student, cfg.first_token_weight), layout
@@ -427,7 +496,7 @@ def train_adapter(engine, examples, cfg: TrainConfig, out: str | Path, *, log: C
         answer, teacher = got
         ratio = rng.choice(cfg.ratios)
         drawn["ratios"] += 1
-        kl, layout = student_kl(ex, docs, answer, teacher, ratio)
+        kl, layout = student_kl(ex, docs, answer, teacher, ratio, drawn["prompts"])
         return kl, {"ratio": ratio, "docs": len(docs), "prompt_tokens": layout.n, "answer_tokens": len(answer),
                     "example": ex.id}
 
@@ -437,8 +506,8 @@ def train_adapter(engine, examples, cfg: TrainConfig, out: str | Path, *, log: C
     def held_out_kl() -> float:
         """Mean KL(teacher || student) over the held-out prompts at `eval_ratio`, no gradient."""
         with torch.no_grad():
-            kls = [float(student_kl(ex, docs, answer, teacher, eval_ratio)[0])
-                   for ex, docs, answer, teacher in evalset]
+            kls = [float(student_kl(ex, docs, answer, teacher, eval_ratio, -1 - i)[0])
+                   for i, (ex, docs, answer, teacher) in enumerate(evalset)]
         return sum(kls) / len(kls)
 
     out = Path(out)

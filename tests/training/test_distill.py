@@ -353,3 +353,53 @@ def test_the_loss_can_weigh_the_answers_first_token():
     for bad in (0, -1.0, float("inf"), True):
         with pytest.raises(ValueError, match="first_token_weight"):
             TrainConfig(first_token_weight=bad)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_documents_computed_after_a_context_are_what_a_doc_context_strategy_serves(tiny_engine, family):
+    """Training with `doc_context` computes each student document after its context documents' plain caches; with
+    an offline adapter that is what the engine serves for `reuse:doc_context=builtin` (every document's cache a
+    context variant, computed by the adapted model), and it differs from the plain caches' answer."""
+    from kvfuse.engine.corpus import BUILTIN_CONTEXT
+
+    engine = tiny_engine(family)
+    ad = _noisy_adapter(engine)
+    adapted = tiny_engine(family, adapter=ad)
+    layout = engine.layout(QUESTION, DOCS)
+    ctx = [engine.prompts.encode_document(Document("c", text)) for _, text in BUILTIN_CONTEXT[:3]][::-1]
+    served = adapted.next_token_logprobs(QUESTION, DOCS, ANSWER, strategy="reuse:doc_context=builtin")
+    with torch.no_grad():
+        kv = document_kv(engine, layout, ad, [ctx] * len(DOCS))
+        student = student_logprobs(engine, layout, ANSWER + [0], ad, doc_kv=kv)[:len(ANSWER)]
+        plain = student_logprobs(engine, layout, ANSWER + [0], ad)[:len(ANSWER)]
+    torch.testing.assert_close(student, served, atol=2e-4, rtol=0)
+    assert (student - plain).abs().max() > 1e-3  # the context moved the documents: the comparison can fail
+    with pytest.raises(ValueError, match="contexts for"):
+        document_kv(engine, layout, ad, [ctx])
+
+
+def test_training_with_a_random_document_context_lowers_the_loss_and_draws_reproducibly(tiny_engine, tmp_path):
+    from kvfuse.evaluation.data import Example
+    from kvfuse.training.distill import context_stream
+
+    engine = tiny_engine("llama")
+    exs = [Example("ex1", "tiny", QUESTION, tuple((i, "", t) for i, t in DOCS), ("Dunmore",)),
+           Example("ex2", "tiny", "Who?", (("o1", "", "Other passage one about rivers and hills."),
+                                           ("o2", "", "Other passage two about a market town."),
+                                           ("o3", "", "Other passage three about a bridge.")), ("x",))]
+    draw = context_stream(exs, seed=0, top_k=2)
+    docs = [Document(i, t) for i, t in DOCS]
+    enc = (lambda text: engine.prompts.encode_document(Document("c", text)))
+    a, b = draw(7, exs[0], docs, enc), draw(7, exs[0], docs, enc)
+    assert a == b and len(a) == len(docs) and all(len(c) == 2 for c in a)
+    own = {tuple(engine.prompts.encode_document(d)) for d in docs}
+    assert not any(tuple(c) in own for ctx in a for c in ctx)  # never the example's own passages
+    assert any(draw(n, exs[0], docs, enc) != a for n in range(8, 12))  # a fresh draw per prompt
+    cfg = TrainConfig(rank=4, steps=10, lr=3e-3, warmup=2, ratios=(0.0,), min_docs=3, max_docs=3,
+                      answer_tokens=4, max_doc_tokens=10_000, doc_context="random", context_docs=2)
+    rec = train_adapter(engine, exs[:1] * 1 + exs[1:], cfg, tmp_path / "ad.safetensors", log=lambda s: None)
+    kls = [c["kl"] for c in rec["curve"] if c["prompts"][0]["example"] == "ex1"]
+    assert rec["config"]["doc_context"] == "random"
+    assert min(kls[-2:]) < kls[0] * 0.8, kls
+    with pytest.raises(ValueError, match="doc_context must be one of"):
+        TrainConfig(doc_context="similar")
