@@ -181,25 +181,17 @@ def document_kv(engine, layout, adapter: FusionAdapter | None,
 
 def context_stream(examples, seed: int, top_k: int):
     """`draw(n, example, docs, encode)`: for prompt number n of `example`, each document's context: `top_k`
-    passages (their bodies' token ids, `encode(text)`) of other examples, drawn at random, a fresh draw per prompt and document, and
-    the same for the same n (so a resumed run draws what an uninterrupted one would). What a served
-    `doc_context=pool` or `random` gives a document: a few in-domain documents unrelated to its question."""
-    passages = list({(ex.id, text): None for ex in examples for _, _, text in ex.passages})
-    if len({t for _, t in passages}) <= top_k:
-        raise ValueError(f"document context needs more than {top_k} distinct training passages")
+    passages of other examples (their bodies' token ids, `encode(text)`; fewer when fewer are eligible), drawn at
+    random, a fresh draw per prompt and document, the same for the same n (a resumed run draws what an
+    uninterrupted one would). What a served `doc_context=pool` or `random` gives a document: a few in-domain
+    documents unrelated to its question."""
+    passages = [(ex.id, text) for ex in examples for _, _, text in ex.passages]
 
     def draw(n: int, example, docs, encode) -> list[list[list[int]]]:
         rng = random.Random(f"{seed}:context:{n}")
         own = {d.text for d in docs}
-        out = []
-        for _ in docs:
-            picked: list = []
-            while len(picked) < top_k and len(passages) > top_k:
-                ex_id, text = passages[rng.randrange(len(passages))]
-                if ex_id != example.id and text not in own and text not in picked:
-                    picked.append(text)
-            out.append([encode(text) for text in picked])
-        return out
+        eligible = list({text: None for ex_id, text in passages if ex_id != example.id and text not in own})
+        return [[encode(text) for text in rng.sample(eligible, min(top_k, len(eligible)))] for _ in docs]
 
     return draw
 
