@@ -4,6 +4,12 @@ resample draws examples, both strategies' figures of an example together), and h
 further from full prefill's.
 
     python benchmarks/paired_delta.py docs/quality/drift/gpu60/records.jsonl infoflow infoflow:drift=0.5
+
+Runs of different adapters live in different folders (each labelled '<strategy>+adapter'); name several files as
+PATH=TAG, comma separated, and a file's adapter runs are labelled '<strategy>[TAG]':
+
+    python benchmarks/paired_delta.py docs/quality/ctx_adapter/shipped/records.jsonl=shipped,\
+docs/quality/ctx_adapter/gctx/records.jsonl=gctx 'infoflow[shipped]' 'infoflow:doc_context=pool[gctx]'
 """
 from __future__ import annotations
 
@@ -21,9 +27,21 @@ def _ci(diffs: list[float], n_boot: int, seed: int) -> tuple[float, float]:
     return means[int(0.025 * n_boot)], means[int(0.975 * n_boot) - 1]
 
 
+def _read(spec: str):
+    """The records of `spec`: one path, or PATH=TAG entries (comma separated) whose adapter runs are relabelled
+    '<strategy>[TAG]' (their untagged runs, `full` among them, are read as they are)."""
+    for item in spec.split(",") if "=" in spec else [spec]:
+        path, _, tag = item.partition("=")
+        for line in open(path, encoding="utf-8"):
+            r = json.loads(line)
+            if tag and r["strategy"].endswith("+adapter"):
+                r["strategy"] = r["strategy"].removesuffix("+adapter") + f"[{tag}]"
+            yield r
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("records")
+    ap.add_argument("records", help="a records.jsonl, or PATH=TAG[,PATH=TAG...] (see above)")
     ap.add_argument("base", help="strategy label as recorded, without the '+adapter' suffix")
     ap.add_argument("other")
     ap.add_argument("--boot", type=int, default=2000)
@@ -33,8 +51,7 @@ def main() -> int:
                          "or any (default; a strategy run both ways then keeps the one read last)")
     args = ap.parse_args()
     by = defaultdict(dict)  # (dataset, example) -> strategy -> record
-    for line in open(args.records, encoding="utf-8"):
-        r = json.loads(line)
+    for r in _read(args.records):
         tagged = r["strategy"].endswith("+adapter")
         if (args.runs == "adapter" and not tagged and r["strategy"] != "full") or (args.runs == "none" and tagged):
             continue
