@@ -473,6 +473,8 @@ def train_adapter(engine, examples, cfg: TrainConfig, out: str | Path, *, log: C
         alone)."""
         layout = engine.layout(ex.question, docs)
         contexts = contexts_for(n, ex, docs, encode) if contexts_for else None
+        if contexts and online and layout.docs[0].start == layout.prefix.end:
+            contexts[0] = []  # the engine serves the first document its exact plain cache (documents unadapted)
         doc_kv = document_kv(engine, layout, adapter, contexts)
         recompute = strategy_selection(engine, layout, doc_kv, cfg.strategy, ratio, selector, exact_first=online)
         student = student_logprobs(engine, layout, answer + [0], adapter, recompute, doc_kv)

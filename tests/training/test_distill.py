@@ -376,6 +376,15 @@ def test_documents_computed_after_a_context_are_what_a_doc_context_strategy_serv
     assert (student - plain).abs().max() > 1e-3  # the context moved the documents: the comparison can fail
     with pytest.raises(ValueError, match="contexts for"):
         document_kv(engine, layout, ad, [ctx])
+    # an online adapter leaves documents to the base model: the first, right after the prefix, is served its exact
+    # plain cache and the others context variants, which is what training gives it (the first's context empty)
+    on = _online(engine)
+    served_on = tiny_engine(family, adapter=on).next_token_logprobs(QUESTION, DOCS, ANSWER,
+                                                                    strategy="reuse:doc_context=builtin")
+    with torch.no_grad():
+        kv_on = document_kv(engine, layout, on, [[]] + [ctx] * (len(DOCS) - 1))
+        student_on = student_logprobs(engine, layout, ANSWER + [0], on, doc_kv=kv_on)[:len(ANSWER)]
+    torch.testing.assert_close(student_on, served_on, atol=2e-4, rtol=0)
 
 
 def test_training_with_a_random_document_context_lowers_the_loss_and_draws_reproducibly(tiny_engine, tmp_path):
