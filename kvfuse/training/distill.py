@@ -463,6 +463,8 @@ def train_adapter(engine, examples, cfg: TrainConfig, out: str | Path, *, log: C
     from ..engine.types import Document
 
     contexts_for = (context_stream(examples, cfg.seed, cfg.context_docs) if cfg.doc_context != "none" else None)
+    # how the adapter's documents were computed, in its file's metadata (serve it with a strategy's doc_context)
+    trained_for = {"doc_context": cfg.doc_context} if contexts_for else {}
 
     def encode(text: str) -> list[int]:
         return engine.prompts.encode_document(Document("ctx", text))
@@ -516,7 +518,7 @@ def train_adapter(engine, examples, cfg: TrainConfig, out: str | Path, *, log: C
         if kl < best["kl"]:
             best.update(kl=kl, step=steps)
             adapter.meta = {"base": engine.namespace.model, "model": engine.model_name, "steps": str(steps),
-                            "seed": str(cfg.seed)}
+                            "seed": str(cfg.seed), **trained_for}
             adapter.save(best_path)
 
     ckpt = checkpoint_path(out)
@@ -599,7 +601,7 @@ def train_adapter(engine, examples, cfg: TrainConfig, out: str | Path, *, log: C
         log(f"kept the adapter of step {best['step']} (held-out KL {best['kl']:.4f})")
     else:
         adapter.meta = {"base": engine.namespace.model, "model": engine.model_name, "steps": str(len(curve)),
-                        "seed": str(cfg.seed)}
+                        "seed": str(cfg.seed), **trained_for}
         adapter.save(out)
     out.with_suffix(".json").write_text(json.dumps(record, indent=1))
     log(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB) and {out.with_suffix('.json')}")

@@ -409,6 +409,7 @@ def test_training_with_a_random_document_context_lowers_the_loss_and_draws_repro
     rec = train_adapter(engine, exs[:1] * 1 + exs[1:], cfg, tmp_path / "ad.safetensors", log=lambda s: None)
     kls = [c["kl"] for c in rec["curve"] if c["prompts"][0]["example"] == "ex1"]
     assert rec["config"]["doc_context"] == "random"
+    assert load_adapter(tmp_path / "ad.safetensors").meta["doc_context"] == "random"
     assert min(kls[-2:]) < kls[0] * 0.8, kls
     with pytest.raises(ValueError, match="doc_context must be one of"):
         TrainConfig(doc_context="similar")
