@@ -170,10 +170,10 @@ def document_kv(engine, layout, adapter: FusionAdapter | None,
     with torch.no_grad():  # every context document's plain cache, once
         plain = dict(zip(distinct, documents_pass(dec, rope, prefix, [list(c) for c in distinct],
                                                    max_tokens=sum(len(c) for c in distinct)), strict=True))
-    out = []
+    pk, pv, out = prefix.k.to(dec.device), prefix.v.to(dec.device), []
     for ids, ctx in zip(layout.doc_ids, contexts, strict=True):
-        before = DocKV(torch.cat([prefix.k.to(dec.device)] + [plain[tuple(c)].k for c in ctx], dim=1),
-                       torch.cat([prefix.v.to(dec.device)] + [plain[tuple(c)].v for c in ctx], dim=1))
+        before = DocKV(torch.cat([pk] + [plain[tuple(c)].k for c in ctx], dim=1),
+                       torch.cat([pv] + [plain[tuple(c)].v for c in ctx], dim=1))
         kv = documents_pass(dec, rope, before, [ids], max_tokens=len(ids))[0]
         out.append((list(kv.k.unbind(0)), list(kv.v.unbind(0))))
     return out
