@@ -833,8 +833,7 @@ class FusionEngine:
         # the first document right after the cached prefix it was computed after: its plain cache IS what full
         # prefill computes there (documents computed with the fusion adapter offline differ by design: not exact).
         # A strategy with a cache variant (fusionrag) gets that plain cache for it too, the variant for the others.
-        exact = (strat.uses_cache and layout.prefix_cached and bool(layout.docs)
-                 and layout.docs[0].start == layout.prefix.end and not self._documents_adapted)
+        exact = strat.uses_cache and layout.first_document_exact(self._documents_adapted)
         if strat.uses_cache:
             if exact and getattr(strat, "cache_variant", None):
                 pairs, miss_tokens = self.doc_cache.kvs(docs[:1], None, doc_ids[:1])

@@ -178,6 +178,15 @@ class PromptLayout:
     def doc_tokens(self) -> int:
         return sum(len(s) for s in self.docs)
 
+    def first_document_exact(self, documents_adapted: bool = False) -> bool:
+        """Whether the first document's plain cache is exactly what full prefill computes there: it sits right after
+        the engine's cached prefix, the context it was computed after, and no adapter acted on the documents (an
+        offline fusion adapter's caches differ from the base model's by design). Such a document is never
+        selected for recompute, and a cache variant computed with other context (fusionrag's, a `doc_context`'s)
+        is not used for it."""
+        return (self.prefix_cached and bool(self.docs) and self.docs[0].start == self.prefix.end
+                and not documents_adapted)
+
 
 class PromptBuilder:
     """Turns (question, documents) into a PromptLayout for one tokenizer and format.

@@ -200,9 +200,8 @@ def strategy_selection(engine, layout, doc_kv, strategy: str, ratio: float, runn
                        exact_first: bool = False) -> Tensor | None:
     """The document positions `strategy` recomputes at `ratio` over these (detached) caches, as the engine picks
     them (its probe and initial choice). `runner`: the one the engine's fused prefill runs on (the base model's
-    by default; with an online adapter, a Runner over it). `exact_first`: the first document's cache, right after
-    the prefix, is the base model's and so exact (never selected), as the engine serves it without an offline
-    adapter."""
+    by default; with an online adapter, a Runner over it). `exact_first`: the caches are the base model's, so the first
+    document's is exact (never selected) where `PromptLayout.first_document_exact` says so, as the engine serves it."""
     if ratio <= 0:
         return None
     from ..engine.fusion import make_strategy
@@ -211,7 +210,7 @@ def strategy_selection(engine, layout, doc_kv, strategy: str, ratio: float, runn
     for j, (sp, (ks, vs)) in enumerate(zip(layout.docs, doc_kv)):
         segs.append(Segment(sp.start, sp.end, DocKV(torch.stack([k.detach() for k in ks]),
                                                       torch.stack([v.detach() for v in vs])),
-                            exact=exact_first and j == 0 and sp.start == layout.prefix.end))
+                            exact=exact_first and j == 0 and layout.first_document_exact()))
     segs += [Segment(sp.start, sp.end, None, selectable=False) for sp in layout.glue]
     segs.sort(key=lambda s: s.start)
     segs.append(Segment(layout.tail.start, layout.tail.end, None, selectable=False))
@@ -475,10 +474,11 @@ def train_adapter(engine, examples, cfg: TrainConfig, out: str | Path, *, log: C
         alone)."""
         layout = engine.layout(ex.question, docs)
         contexts = contexts_for(n, ex, docs, encode) if contexts_for else None
-        if contexts and online and layout.docs[0].start == layout.prefix.end:
-            contexts[0] = []  # the engine serves the first document its exact plain cache (documents unadapted)
+        exact = layout.first_document_exact(documents_adapted=not online)  # as the engine serves it
+        if contexts and exact:
+            contexts[0] = []  # the exact first document gets its plain cache, not a context variant
         doc_kv = document_kv(engine, layout, adapter, contexts)
-        recompute = strategy_selection(engine, layout, doc_kv, cfg.strategy, ratio, selector, exact_first=online)
+        recompute = strategy_selection(engine, layout, doc_kv, cfg.strategy, ratio, selector, exact_first=exact)
         student = student_logprobs(engine, layout, answer + [0], adapter, recompute, doc_kv)
         return distill_loss(teacher, student, cfg.first_token_weight), layout
 

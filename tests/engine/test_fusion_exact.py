@@ -83,6 +83,23 @@ def test_the_exact_first_document_gives_its_budget_to_the_others(strategy, tiny_
     assert out.recomputed.numel() == layout.doc_tokens  # behind its title the first document is a candidate
 
 
+def test_first_document_exact_is_one_rule(tiny_engine):
+    """`PromptLayout.first_document_exact`, the rule the engine and the adapter's training share: the first document
+    right after the cached prefix, with unadapted documents; not behind a title, not after a computed (chat)
+    prefix, not with an offline adapter's documents, not when there is no document."""
+    from kvfuse.engine.prompt import PromptLayout
+    from kvfuse.engine.types import as_documents
+
+    engine = tiny_engine("llama")
+    plain = engine.layout(QUESTION, as_documents(DOCS))
+    assert plain.first_document_exact() and not plain.first_document_exact(documents_adapted=True)
+    titled = engine.layout(QUESTION, as_documents([{"id": DOCS[0][0], "text": DOCS[0][1], "title": "Larkspur"}]))
+    assert titled.docs[0].start > titled.prefix.end and not titled.first_document_exact()
+    chat = PromptLayout.from_pieces([("text", [1, 2]), ("doc", [3, 4, 5]), ("text", [6])], prefix_cached=False)
+    assert chat.docs[0].start == chat.prefix.end and not chat.first_document_exact()
+    assert not PromptLayout.from_pieces([("text", [1, 2]), ("text", [6])], prefix_cached=True).first_document_exact()
+
+
 def _rotate(x: torch.Tensor, inv_freq: torch.Tensor, delta: int, scaling: float = 1.0) -> torch.Tensor:
     """Rotates post-RoPE keys [heads, T, D] by `delta` positions (float64, rotate-half pairing)."""
     ang = delta * inv_freq.double()

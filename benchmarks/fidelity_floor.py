@@ -1,0 +1,125 @@
+"""How much of fidelity (F1 of a fused answer against full prefill's) is reachable, read from `kvfuse eval` records.
+
+Three tables, each per dataset and macro:
+
+1. **Full against full.** Full prefill's answers in two record files run on different machines or kernels (a CPU
+   run and a GPU run of the same weights, say): how often they agree word for word and their fidelity to each
+   other. That is the metric's noise floor: the answers that flip when only rounding changes.
+2. **By full's own correctness.** A fused strategy's fidelity over the examples where full prefill's answer is
+   right (gold score >= 0.5) and where it is wrong: keeping a right answer is what a user notices; reproducing a
+   wrong guess is a near-tie lottery.
+3. **By recompute ratio.** A strategy's fidelity at every ratio on record (its ceiling as the budget grows).
+
+    python benchmarks/fidelity_floor.py --pair docs/quality/q60/records.jsonl docs/quality/gpu_empty_cache_1206/records.jsonl \
+        --records docs/quality/gpu_empty_cache_1206/records.jsonl --strategy infoflow+adapter
+
+`--records` may be given several times (their runs are read together; the first record of a label and example
+wins).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvfuse.evaluation.metrics import fidelity  # noqa: E402
+
+
+def _load(paths: list[str]) -> dict[tuple[str, str, float], dict[str, dict]]:
+    """(strategy label, dataset, ratio) -> example id -> record; the first record wins."""
+    out: dict = defaultdict(dict)
+    for p in paths:
+        for line in open(p, encoding="utf-8"):
+            r = json.loads(line)
+            out[(r["strategy"], r["dataset"], float(r["ratio"]))].setdefault(r["example_id"], r)
+    return out
+
+
+def _fulls(runs) -> dict[str, dict[str, dict]]:
+    got: dict = defaultdict(dict)
+    for (label, ds, _), recs in runs.items():
+        if label == "full":
+            got[ds].update(recs)
+    return got
+
+
+def _mean(xs: list[float]) -> float:
+    return 100.0 * sum(xs) / len(xs) if xs else float("nan")
+
+
+def full_vs_full(a_path: str, b_path: str) -> list[str]:
+    a, b = _fulls(_load([a_path])), _fulls(_load([b_path]))
+    lines = ["| dataset | n | same answer | fidelity of one to the other |", "|---|---:|---:|---:|"]
+    macro_same, macro_fid = [], []
+    for ds in sorted(set(a) & set(b)):
+        ids = sorted(set(a[ds]) & set(b[ds]))
+        if not ids:
+            continue
+        same = [float(a[ds][i]["answer"] == b[ds][i]["answer"]) for i in ids]
+        fid = [fidelity(b[ds][i]["answer"], a[ds][i]["answer"]) for i in ids]
+        macro_same.append(_mean(same))
+        macro_fid.append(_mean(fid))
+        lines.append(f"| {ds} | {len(ids)} | {sum(same):.0f} ({_mean(same):.1f}%) | {_mean(fid):.1f} |")
+    if macro_same:
+        lines.append(f"| macro | | {sum(macro_same) / len(macro_same):.1f}% | {sum(macro_fid) / len(macro_fid):.1f} |")
+    return lines
+
+
+def by_correctness(runs, strategy: str) -> list[str]:
+    fulls = _fulls(runs)
+    lines = ["| dataset | ratio | full right: n / fidelity / same answer | full wrong: n / fidelity / same answer |",
+             "|---|---:|---:|---:|"]
+    for (label, ds, ratio), recs in sorted(runs.items()):
+        if label != strategy:
+            continue
+        cells = []
+        for right in (True, False):
+            rows = [r for i, r in recs.items() if i in fulls[ds] and (fulls[ds][i]["score"] >= 0.5) == right]
+            cells.append(f"{len(rows)} / {_mean([r['fidelity'] for r in rows]):.1f} / "
+                         f"{sum(r['answer'] == fulls[ds][r['example_id']]['answer'] for r in rows)}")
+        lines.append(f"| {ds} | {ratio:g} | {cells[0]} | {cells[1]} |")
+    return lines
+
+
+def by_ratio(runs, strategy: str) -> list[str]:
+    table: dict = defaultdict(dict)
+    for (label, ds, ratio), recs in runs.items():
+        if label == strategy:
+            table[ratio][ds] = _mean([r["fidelity"] for r in recs.values()])
+    sets = sorted({ds for row in table.values() for ds in row})
+    lines = ["| ratio | " + " | ".join(sets) + " | macro |", "|---:|" + "---:|" * (len(sets) + 1)]
+    for ratio in sorted(table):
+        row = table[ratio]
+        vals = [row.get(ds) for ds in sets]
+        macro = sum(v for v in vals if v is not None) / max(1, sum(v is not None for v in vals))
+        lines.append(f"| {ratio:g} | " + " | ".join("-" if v is None else f"{v:.1f}" for v in vals)
+                     + f" | {macro:.1f} |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--pair", nargs=2, metavar=("A", "B"), help="two record files whose full answers to compare")
+    ap.add_argument("--records", action="append", default=[], help="record files of the strategy's runs")
+    ap.add_argument("--strategy", default="infoflow+adapter", help="the label the records give the strategy")
+    args = ap.parse_args(argv)
+    if not args.pair and not args.records:
+        ap.error("give --pair A B and/or --records PATH")
+    if args.pair:
+        print(f"Full prefill against full prefill: {args.pair[0]} vs {args.pair[1]}\n")
+        print("\n".join(full_vs_full(*args.pair)), end="\n\n")
+    if args.records:
+        runs = _load(args.records)
+        print(f"{args.strategy}: fidelity by whether full prefill's answer is right (gold score >= 0.5)\n")
+        print("\n".join(by_correctness(runs, args.strategy)), end="\n\n")
+        print(f"{args.strategy}: fidelity by recompute ratio\n")
+        print("\n".join(by_ratio(runs, args.strategy)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
