@@ -93,17 +93,21 @@ def by_correctness(runs, strategy: str) -> list[str]:
 
 def by_ratio(runs, strategy: str) -> list[str]:
     table: dict = defaultdict(dict)
+    same: dict = defaultdict(list)
+    fulls = _fulls(runs)
     for (label, ds, ratio), recs in runs.items():
         if label == strategy:
             table[ratio][ds] = _mean([r["fidelity"] for r in recs.values()])
+            same[ratio].extend(r["answer"] == fulls[ds][i]["answer"] for i, r in recs.items() if i in fulls[ds])
     sets = sorted({ds for row in table.values() for ds in row})
-    lines = ["| ratio | " + " | ".join(sets) + " | macro |", "|---:|" + "---:|" * (len(sets) + 1)]
+    lines = ["| ratio | " + " | ".join(sets) + " | macro | answers equal to full's |",
+             "|---:|" + "---:|" * (len(sets) + 2)]
     for ratio in sorted(table):
         row = table[ratio]
         vals = [row.get(ds) for ds in sets]
         macro = sum(v for v in vals if v is not None) / max(1, sum(v is not None for v in vals))
         lines.append(f"| {ratio:g} | " + " | ".join("-" if v is None else f"{v:.1f}" for v in vals)
-                     + f" | {macro:.1f} |")
+                     + f" | {macro:.1f} | {_mean([float(x) for x in same[ratio]]):.1f}% |")
     return lines
 
 
